@@ -1,0 +1,223 @@
+"""Datasets, transforms, samplers and loaders; the layout checks and the bad-file policy.
+
+A dataset root holds ``train/`` and ``val/``, each with one folder per class (ImageFolder layout).
+Layout mistakes are reported before any work starts, with the fix. An image that cannot be
+read is skipped: the collate function drops it and hands its path on, so the training loop can
+count skipped files per epoch even when they were read in worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+
+from .errors import UserError
+
+logger = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+VAL_PREP_HINT = ("sort it into class folders with: python scripts/prepare_imagenet_val.py "
+                 "{val} --ground-truth LOC_val_solution.csv (or the devkit ground truth)")
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def _class_dirs(split_dir: str) -> list:
+    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+
+
+def _has_image(class_dir: str) -> bool:
+    for _root, _dirs, files in os.walk(class_dir, followlinks=True):
+        if any(_is_image(f) for f in files):
+            return True
+    return False
+
+
+def check_layout(root: str) -> list:
+    """Validate ``root/train`` and ``root/val``; return the class names. Raises UserError."""
+    if not os.path.exists(root):
+        raise UserError(f"dataset folder {root} does not exist; pass the folder that holds train/ and val/")
+    if not os.path.isdir(root):
+        raise UserError(f"dataset path {root} is a file, not a folder; pass the folder that holds train/ and val/")
+    splits = {}
+    for split in ("train", "val"):
+        path = os.path.join(root, split)
+        if not os.path.isdir(path):
+            there = sorted(os.listdir(root))[:6]
+            raise UserError(f"{path} is missing: the dataset folder must hold train/ and val/, each with "
+                            f"one sub-folder per class (found: {', '.join(there) or 'nothing'})")
+        splits[split] = path
+    val = splits["val"]
+    val_classes = _class_dirs(val)
+    if not val_classes:
+        flat = [f for f in os.listdir(val) if _is_image(f)]
+        if flat:
+            raise UserError(f"{val} holds {len(flat)} images directly, not in class folders (the official "
+                            "flat ImageNet val set?); " + VAL_PREP_HINT.format(val=val))
+        raise UserError(f"{val} has no class folders; it needs one sub-folder per class, like train/")
+    train_classes = _class_dirs(splits["train"])
+    if not train_classes:
+        raise UserError(f"{splits['train']} has no class folders; it needs one sub-folder per class")
+    for split, classes in (("train", train_classes), ("val", val_classes)):
+        empty = [c for c in classes if not _has_image(os.path.join(splits[split], c))]
+        if empty:
+            more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+            raise UserError(f"{split}/ has class folders with no images: {', '.join(empty[:5])}{more}; "
+                            f"add images or remove the folders (extensions read: {', '.join(IMG_EXTENSIONS)})")
+    if train_classes != val_classes:
+        only_t = sorted(set(train_classes) - set(val_classes))
+        only_v = sorted(set(val_classes) - set(train_classes))
+        parts = []
+        if only_t:
+            parts.append(f"only in train/: {', '.join(only_t[:5])}" + (" ..." if len(only_t) > 5 else ""))
+        if only_v:
+            parts.append(f"only in val/: {', '.join(only_v[:5])}" + (" ..." if len(only_v) > 5 else ""))
+        raise UserError("train/ and val/ must have the same class folders, or labels would not match "
+                        f"({'; '.join(parts)})")
+    return train_classes
+
+
+class SafeImageFolder(datasets.ImageFolder):
+    """ImageFolder whose unreadable files come back as ``(None, target, path)`` instead of raising."""
+
+    def find_classes(self, directory: str) -> tuple:
+        # The same rule as check_layout: hidden folders (.ipynb_checkpoints, ...) are no classes,
+        # or train and val labels could shift against each other.
+        classes = _class_dirs(directory)
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            image = self.loader(path)
+            if self.transform is not None:
+                image = self.transform(image)
+        except Exception as e:  # any broken file must not end a multi-day run
+            logger.debug("skipping unreadable image %s: %s", path, e)
+            return None, target, path
+        return image, target, None
+
+
+class SyntheticDataset(Dataset):
+    """``--dummy``: one random normalised image per class, labels cycling through the classes."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(min(num_classes, 64), 3, image_size, image_size, generator=g)
+        self.size = size
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return self.images[index % len(self.images)], index % self.num_classes, None
+
+
+def collate_skipping(batch: Sequence) -> tuple:
+    """Stack the good samples; return ``(images, targets, skipped_paths)``."""
+    good = [(img, t) for img, t, _ in batch if img is not None]
+    skipped = [p for img, _, p in batch if img is None]
+    if not good:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
+    images = torch.stack([g[0] for g in good])
+    targets = torch.tensor([g[1] for g in good], dtype=torch.long)
+    return images, targets, skipped
+
+
+class ShardSampler(Sampler):
+    """Rank ``r`` of ``w`` gets indices r, r+w, r+2w, ...: every sample exactly once, no padding."""
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.indices = list(range(rank, length, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def train_transform(image_size: int, min_scale: float, hflip: float):
+    steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0))]
+    if hflip > 0:
+        steps.append(transforms.RandomHorizontalFlip(hflip))
+    steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return transforms.Compose(steps)
+
+
+def val_transform(image_size: int, resize: int):
+    return transforms.Compose([
+        transforms.Resize(resize),
+        transforms.CenterCrop(image_size),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+@dataclass
+class DataBundle:
+    """What the rest of the run needs to know about the data."""
+
+    train: Dataset
+    val: Dataset
+    classes: list
+    root: str  # where the images are ("synthetic" for --dummy)
+
+
+def build_datasets(cfg, root: Optional[str]) -> DataBundle:
+    """Datasets for ``root`` (already resolved: the user's DIR or the built-in export)."""
+    if cfg.dummy:
+        n = cfg.dummy_classes
+        return DataBundle(SyntheticDataset(cfg.dummy_train_size, n, cfg.image_size, seed=1),
+                          SyntheticDataset(cfg.dummy_val_size, n, cfg.image_size, seed=2),
+                          [str(i) for i in range(n)], "synthetic")
+    classes = check_layout(root)
+    train = SafeImageFolder(os.path.join(root, "train"),
+                            train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip),
+                            loader=default_loader)
+    val = SafeImageFolder(os.path.join(root, "val"), val_transform(cfg.image_size, cfg.val_resize),
+                          loader=default_loader)
+    return DataBundle(train, val, classes, root)
+
+
+def per_process_batch(batch_size: int, ctx) -> int:
+    """``-b`` is global: each DDP rank takes its share (DataParallel splits inside the model)."""
+    if ctx.distributed:
+        if batch_size % ctx.world_size:
+            raise UserError(f"-b/--batch-size {batch_size} is the global batch and must divide evenly "
+                            f"over {ctx.world_size} processes; use a multiple of {ctx.world_size}")
+        return batch_size // ctx.world_size
+    return batch_size
+
+
+def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
+    """(train_loader, val_loader); the train sampler reshuffles per epoch via ``set_epoch``."""
+    batch = per_process_batch(cfg.batch_size, ctx)
+    n_train = len(data.train)
+    # One shuffling scheme for every mode (a single process is a world of one), so a DDP run's
+    # global batches hold the same images as a single-process run with the same seed.
+    world, rank = (ctx.world_size, ctx.rank) if ctx.distributed else (1, 0)
+    if n_train // world < batch:
+        raise UserError(f"the training set has {n_train} images, fewer than one batch of {batch} per "
+                        f"process; lower -b/--batch-size (now {cfg.batch_size})")
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
+                  collate_fn=collate_skipping, persistent_workers=cfg.workers > 0)
+    # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
+    # full-sized and the same on every rank.
+    train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
+    val_sampler = ShardSampler(len(data.val), rank, world)
+    val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
+    return train_loader, val_loader

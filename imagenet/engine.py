@@ -1,0 +1,174 @@
+"""The training and validation loops: plain functions that take what they use and return dicts.
+
+The loops never branch on precision (the :mod:`precision` object hides it) nor on the launch
+mode beyond the reductions of :mod:`distributed`. Device values are read only at print time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .distributed import DistContext, all_reduce_sum
+from .errors import UserError
+from .metrics import AverageMeter, DeviceSums
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopOptions:
+    """How a loop reports; none of this changes what is computed."""
+
+    print_freq: int = 10
+    progress: str = "lines"  # bar | lines
+    max_steps: Optional[int] = None  # --prof: stop early
+    max_nonfinite_steps: int = 200
+
+
+def move_batch(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
+               channels_last: bool) -> tuple:
+    """Copy a (pinned) batch to the device without blocking; lay it out for the model."""
+    images = images.to(device, non_blocking=True)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, targets.to(device, non_blocking=True)
+
+
+def _progress(loader, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=len(loader), desc=desc, file=sys.stdout, dynamic_ncols=True, leave=False)
+
+
+def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Optional[AverageMeter],
+          cur: dict, avg: dict) -> str:
+    width = len(str(n))
+    parts = [f"{prefix}[{i:>{width}}/{n}]", f"Time {batch_time.val:6.3f} ({batch_time.avg:6.3f})"]
+    if data_time is not None:
+        parts.append(f"Data {data_time.val:6.3f} ({data_time.avg:6.3f})")
+    parts += [f"Loss {cur['loss']:.4e} ({avg['loss']:.4e})",
+              f"Acc@1 {cur['acc1']:6.2f} ({avg['acc1']:6.2f})",
+              f"Acc@5 {cur['acc5']:6.2f} ({avg['acc5']:6.2f})"]
+    return "\t".join(parts)
+
+
+def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
+                    ctx: DistContext, epoch: int, channels_last: bool, opts: LoopOptions) -> dict:
+    """One pass over the training loader; returns the epoch's reduced metrics."""
+    model.train()
+    sums = DeviceSums(ctx.device)
+    nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
+    batch_time, data_time = AverageMeter(), AverageMeter()
+    skipped_paths: list = []
+    n = len(loader) if opts.max_steps is None else min(len(loader), opts.max_steps)
+    bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
+    steps = skipped_steps = 0
+    start = end = time.perf_counter()
+    for i, (images, targets, bad) in enumerate(loader):
+        if i >= n:
+            break
+        skipped_paths += bad
+        if targets.numel() == 0:
+            continue  # every image of this batch was unreadable
+        data_time.update(time.perf_counter() - end)
+        images, targets = move_batch(images, targets, ctx.device, channels_last)
+        output = precision.forward(model, images)
+        loss = criterion(output, targets)
+        precision.backward(loss)
+        if not precision.step(optimizer):
+            skipped_steps += 1
+        scheduler.step()
+        steps += 1
+        sums.add(loss, output, targets)
+        nonfinite_run = (nonfinite_run + 1) * (~torch.isfinite(loss.detach()))
+        batch_time.update(time.perf_counter() - end)
+        end = time.perf_counter()
+        if bar is not None:
+            bar.update(1)
+        if i % opts.print_freq == 0 or i == n - 1:
+            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision)
+            avg = sums.totals(ctx, all_reduce_sum)
+            if bar is not None:
+                bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
+            elif ctx.is_main:
+                logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - start
+    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision)
+    totals = sums.totals(ctx, all_reduce_sum)
+    return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
+            "train_samples": totals["count"], "steps": steps, "skipped_steps": skipped_steps,
+            "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
+            "train_seconds": elapsed, "skipped_paths": skipped_paths}
+
+
+def _check_finite(run: torch.Tensor, limit: int, precision) -> None:
+    if limit and int(run) > limit:
+        raise UserError(f"the loss has been NaN/inf for {int(run)} steps in a row ({precision.name}); "
+                        "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
+                        "or raise --max-nonfinite-steps (0 disables this check)")
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
+             channels_last: bool, opts: LoopOptions) -> dict:
+    """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
+    # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model.
+    net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    net.eval()
+    sums = DeviceSums(ctx.device)
+    batch_time = AverageMeter()
+    skipped_paths: list = []
+    n = len(loader) if opts.max_steps is None else min(len(loader), opts.max_steps)
+    bar = _progress(loader, opts.progress == "bar" and ctx.is_main, "Test")
+    end = time.perf_counter()
+    for i, (images, targets, bad) in enumerate(loader):
+        if i >= n:
+            break
+        skipped_paths += bad
+        if targets.numel() == 0:
+            continue
+        images, targets = move_batch(images, targets, ctx.device, channels_last)
+        output = precision.forward(net, images)
+        loss = criterion(output, targets)
+        sums.add(loss, output, targets)
+        batch_time.update(time.perf_counter() - end)
+        end = time.perf_counter()
+        if bar is not None:
+            bar.update(1)
+        elif ctx.is_main and (i % opts.print_freq == 0 or i == n - 1):
+            # Per-rank numbers here: reducing would need every rank at the same step.
+            logger.info(_line("Test: ", i, n, batch_time, None, sums.last_batch(), sums.totals()))
+    if bar is not None:
+        bar.close()
+    totals = sums.totals(ctx, all_reduce_sum)
+    if ctx.is_main:
+        logger.info(f" * Acc@1 {totals['acc1']:.3f} Acc@5 {totals['acc5']:.3f}")
+    return {"val_loss": totals["loss"], "val_acc1": totals["acc1"], "val_acc5": totals["acc5"],
+            "val_samples": totals["count"], "skipped_paths": skipped_paths}
+
+
+def lr_lambda(schedule: str, epochs: int, iters_per_epoch: int, warmup_epochs: float,
+              step_epochs: int, gamma: float) -> Callable[[int], float]:
+    """LR multiplier per iteration: linear warm-up, then step decay or cosine to zero."""
+    total = max(epochs * iters_per_epoch, 1)
+    warmup = int(round(warmup_epochs * iters_per_epoch))
+
+    def factor(it: int) -> float:
+        if it < warmup:
+            return (it + 1) / warmup
+        if schedule == "cosine":
+            progress = (it - warmup) / max(total - warmup, 1)
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return gamma ** ((it // iters_per_epoch) // step_epochs)
+    return factor

@@ -1,0 +1,93 @@
+"""Architecture registry: torchvision's ResNet family by name, a small-input stem, starting weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+import torch
+import torch.nn as nn
+import torchvision
+
+from .config import ARCHS
+from .errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def create_model(arch: str, num_classes: int, small_stem: bool = False) -> nn.Module:
+    """A freshly initialised ResNet-family model with ``num_classes`` outputs."""
+    if arch not in ARCHS:
+        raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+    if small_stem:
+        # Low-resolution images (28-64 px) lose most of their pixels to the 7x7/2 conv and the
+        # max-pool; a 3x3/1 conv without pooling keeps the feature maps large enough to learn.
+        width = model.conv1.out_channels
+        model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
+    return model
+
+
+def strip_prefix(state_dict: dict) -> dict:
+    """Remove the ``module.`` (DataParallel/DDP) and ``_orig_mod.`` (torch.compile) prefixes."""
+    out = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in ("module.", "_orig_mod."):
+                if key.startswith(prefix):
+                    key = key[len(prefix):]
+                    changed = True
+        out[key] = value
+    return out
+
+
+def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> None:
+    """Load a (possibly prefixed) state dict; a classifier of another class count is re-initialised.
+
+    Anything else that does not match is an error naming the offending keys: silently keeping
+    random layers would train a different model than the user asked for.
+    """
+    state_dict = strip_prefix(state_dict)
+    own = model.state_dict()
+    fc_keys = [k for k in ("fc.weight", "fc.bias") if k in state_dict and k in own]
+    if fc_keys and state_dict["fc.weight"].shape != own["fc.weight"].shape:
+        logger.info("%s: classifier has %d classes, the dataset %d; the final layer starts fresh",
+                    source, state_dict["fc.weight"].shape[0], own["fc.weight"].shape[0])
+        state_dict = {k: v for k, v in state_dict.items() if k not in fc_keys}
+        state_dict.update({k: own[k] for k in fc_keys})
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        detail = []
+        if missing:
+            detail.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            detail.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+        raise UserError(f"weights in {source} do not fit this model: {'; '.join(detail)}; "
+                        "check -a/--arch and --small-stem match the run that saved them")
+    bad = [k for k, v in state_dict.items() if hasattr(v, "shape") and v.shape != own[k].shape]
+    if bad:
+        k = bad[0]
+        raise UserError(f"weights in {source} do not fit this model: {k} has shape "
+                        f"{tuple(state_dict[k].shape)}, the model {tuple(own[k].shape)}; "
+                        "check -a/--arch and --small-stem")
+    model.load_state_dict(state_dict)
+
+
+def pretrained_state_dict(arch: str) -> dict:
+    """torchvision's ImageNet weights for ``arch`` from the local torch hub cache (never downloads)."""
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    filename = os.path.basename(weights.url)
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
+    if not os.path.isfile(path):
+        raise UserError(f"--pretrained needs torchvision's {arch} weights, which are not cached at "
+                        f"{path}; this trainer never downloads: copy {filename} there "
+                        "(or set TORCH_HOME), or use --weights PATH")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cached pretrained weights {path} could not be read ({type(e).__name__}); "
+                        "delete the file and copy it again")

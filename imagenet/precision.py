@@ -1,0 +1,348 @@
+"""Numeric precision behind one interface, so the training loop never branches on the mode.
+
+Modes:
+
+* ``fp32`` -- plain float32 (TF32 on GPUs that have it unless ``--no-tf32``).
+* ``fp16`` -- the classic master-weight trainer: the model runs in float16 except BatchNorm,
+  which stays float32; the optimizer updates an float32 master copy of every parameter; the
+  loss is multiplied by a loss scale before backward, and gradients are copied to the masters,
+  unscaled and checked for inf/NaN there. A step with non-finite gradients is skipped (and a
+  dynamic scale halved) so one overflow never reaches the weights.
+* ``amp-fp16`` / ``amp-bf16`` -- ``torch.autocast``; float16 uses ``torch.amp.GradScaler``.
+
+Every mode offers the same calls::
+
+    logits = precision.forward(model, images)   # float32 logits
+    precision.backward(loss)
+    stepped = precision.step(optimizer)          # False when the step was skipped
+    precision.model_state_dict(model)            # float32 weights, masters in fp16 mode
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from .errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_BN_TYPES = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm)
+_LOGGED_SKIPS = 3  # individual overflow messages before they are only counted
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def configure_tf32(enabled: bool) -> None:
+    """Allow (or forbid) TF32 for float32 matmuls and convolutions on GPUs that have it."""
+    mode = "tf32" if enabled else "ieee"
+    cudnn_conv = getattr(torch.backends.cudnn, "conv", None)
+    if cudnn_conv is not None and hasattr(cudnn_conv, "fp32_precision"):
+        # torch >= 2.9: the legacy allow_tf32 flags must not be mixed with the new API.
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+class LossScaler:
+    """Static or dynamic loss scale for the fp16 master-weight trainer.
+
+    Dynamic: start at ``init_scale``; on a step with inf/NaN gradients halve the scale (not
+    below ``min_scale``) and skip the step; after ``window`` clean steps in a row, double it.
+    Static: the scale never changes, but a non-finite step is still skipped rather than
+    written into the weights.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, dynamic: bool = True, window: int = 1000,
+                 factor: float = 2.0, min_scale: float = 1.0, max_scale: float = 2.0 ** 24):
+        self.scale = float(init_scale)
+        self.dynamic = dynamic
+        self.window = window
+        self.factor = factor
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome and adapt the scale."""
+        if overflow:
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            old = self.scale
+            if self.dynamic:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            if self.skipped_steps <= _LOGGED_SKIPS:
+                logger.info("gradient overflow: step skipped, loss scale %g -> %g%s", old, self.scale,
+                            " (further skips are counted in the epoch summary)"
+                            if self.skipped_steps == _LOGGED_SKIPS else "")
+            return
+        self.clean_steps += 1
+        if self.dynamic and self.clean_steps >= self.window:
+            self.scale = min(self.scale * self.factor, self.max_scale)
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "dynamic": self.dynamic, "window": self.window,
+                "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state.get("clean_steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class Precision:
+    """float32 training; the base of the other modes (they override what differs)."""
+
+    name = "fp32"
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Convert a fresh (unwrapped) float32 model for this mode; call before DP/DDP wrapping."""
+        return model
+
+    def param_groups(self, groups: list) -> list:
+        """Map optimizer parameter groups of the model to the tensors the optimizer must update."""
+        return groups
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def forward(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """Run the model; logits come back in float32 so the loss is computed in full precision."""
+        with self.autocast():
+            return model(self.cast_input(images)).float()
+
+    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
+        return images
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Apply the gradients (unless they overflowed) and clear them; True if weights changed."""
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0
+
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """Float32 weights of the unwrapped model, under torchvision's own key names."""
+        return {k: v.detach().clone() for k, v in unwrap(model).state_dict().items()}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
+        unwrap(model).load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        return {"mode": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class AutocastPrecision(Precision):
+    """torch.autocast in float16 (with a GradScaler) or bfloat16 (no scaling needed)."""
+
+    def __init__(self, dtype: torch.dtype, device_type: str, init_scale: float = 2.0 ** 16,
+                 window: int = 1000):
+        self.dtype = dtype
+        self.device_type = device_type
+        self.name = "amp-bf16" if dtype == torch.bfloat16 else "amp-fp16"
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=window,
+                                           enabled=dtype == torch.float16)
+        self._skipped = 0
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self.scaler.is_enabled():
+            return super().step(optimizer)
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        stepped = self.scaler.get_scale() >= before  # the scaler shrinks exactly when it skipped
+        if not stepped:
+            self._skipped += 1
+            if self._skipped <= _LOGGED_SKIPS:
+                logger.info("gradient overflow: step skipped, loss scale %g -> %g", before,
+                            self.scaler.get_scale())
+        return stepped
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.scaler.get_scale() if self.scaler.is_enabled() else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def state_dict(self) -> dict:
+        return {"mode": self.name, "scaler": self.scaler.state_dict(), "skipped_steps": self._skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self._skipped = int(state.get("skipped_steps", 0))
+
+
+class MasterWeightPrecision(Precision):
+    """fp16 model (BatchNorm in fp32) trained through fp32 master weights with loss scaling."""
+
+    name = "fp16"
+
+    def __init__(self, scaler: LossScaler, model_dtype: torch.dtype = torch.float16):
+        # model_dtype=float32 turns this into an exact check of the master-weight mechanics.
+        self.scaler = scaler
+        self.model_dtype = model_dtype
+        self.params: list = []
+        self.masters: list = []
+        self.names: list = []
+        self._master_of: dict = {}
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model.to(self.model_dtype)
+        for module in model.modules():
+            if isinstance(module, _BN_TYPES):
+                # Normalisation statistics overflow and lose precision in fp16; cuDNN and the
+                # native kernels accept fp16 input with fp32 BatchNorm parameters.
+                module.float()
+        self.names, self.params = [], []
+        for name, p in model.named_parameters():
+            self.names.append(name)
+            self.params.append(p)
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)  # allocated once; refilled from the model every step
+        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        return model
+
+    def param_groups(self, groups: list) -> list:
+        out = []
+        for g in groups:
+            g = dict(g)
+            g["params"] = [self._master_of[id(p)] for p in g["params"]]
+            out.append(g)
+        return out
+
+    def cast_input(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(self.model_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss.float() * self.scaler.scale).backward()
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        with_grad = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        model_grads = [p.grad for p, _ in with_grad]
+        master_grads = [m.grad for _, m in with_grad]
+        found_inf = torch.zeros(1, device=self.masters[0].device)
+        if master_grads:
+            # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
+            torch._foreach_copy_(master_grads, model_grads)
+            inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=found_inf.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
+        # Parameters without a gradient this step must not be moved by stale master grads.
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                m.grad = None
+        overflow = bool(found_inf.item())  # the one host sync per step, to decide the skip
+        if not overflow:
+            optimizer.step()
+            torch._foreach_copy_(self.params, [m.detach() for m in self.masters])
+        self.scaler.update(overflow)
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        return not overflow
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps
+
+    def model_state_dict(self, model: nn.Module) -> dict:
+        state = {}
+        for k, v in unwrap(model).state_dict().items():
+            state[k] = v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+        for name, m in zip(self.names, self.masters):
+            state[name] = m.detach().clone()  # the exact fp32 values, not the fp16 copy
+        return state
+
+    def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
+        unwrap(model).load_state_dict(state)  # copy_ rounds into the fp16 model
+        with torch.no_grad():
+            for name, m in zip(self.names, self.masters):
+                m.copy_(state[name])
+
+    def state_dict(self) -> dict:
+        return {"mode": self.name, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") == self.name and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build_precision(cfg, device: torch.device) -> Precision:
+    """The precision object for ``cfg`` on ``device``; raises UserError if it can't run there."""
+    from .config import static_loss_scale  # config is below us in the data flow
+    if cfg.fp16:
+        static = static_loss_scale(cfg)
+        scaler = LossScaler(init_scale=static if static else cfg.initial_loss_scale,
+                            dynamic=static is None, window=cfg.scale_window)
+        return MasterWeightPrecision(scaler)
+    if cfg.amp:
+        dtype = torch.bfloat16 if cfg.amp_dtype == "bfloat16" else torch.float16
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError(f"--amp-dtype bfloat16 needs a GPU with bfloat16 support; "
+                            f"{torch.cuda.get_device_name(device)} has none: use --amp-dtype float16")
+        return AutocastPrecision(dtype, device.type, init_scale=cfg.initial_loss_scale,
+                                 window=cfg.scale_window)
+    return Precision()
+
+
+def describe(precision: Precision, tf32: bool, device: torch.device) -> str:
+    """One line for the banner."""
+    parts = [precision.name]
+    if precision.loss_scale is not None:
+        dyn = getattr(getattr(precision, "scaler", None), "dynamic", True)
+        parts.append(f"loss scale {precision.loss_scale:g} ({'dynamic' if dyn else 'static'})")
+    if device.type == "cuda":
+        parts.append("TF32 on" if tf32 else "TF32 off")
+    return ", ".join(parts)
+
+
+def iter_norm_modules(model: nn.Module) -> Iterable[nn.Module]:
+    """Normalisation layers, which every mode keeps in float32."""
+    return (m for m in model.modules() if isinstance(m, _BN_TYPES))

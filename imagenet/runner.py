@@ -1,0 +1,334 @@
+"""Wiring: dist -> data -> model -> precision -> optimizer -> resume -> epochs.
+
+:func:`main` is what ``main.py`` calls; :func:`run` trains (or evaluates) one process's share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import checkpoint as ckpt_io
+from . import distributed
+from .config import Config, parse_config
+from .data import DataBundle, build_datasets, build_loaders, per_process_batch
+from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
+from .errors import EXIT_USER_ERROR, UserError
+from .models import create_model, load_weights_into, pretrained_state_dict
+from .precision import build_precision, configure_tf32, describe
+
+logger = logging.getLogger("imagenet")
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Command-line entry: parse, run, and turn user errors into one line and exit status 2."""
+    try:
+        cfg = parse_config(argv)
+        if cfg.multiprocessing_distributed:
+            return spawn_per_gpu(cfg)
+        run(cfg)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _setup_logging(ctx: distributed.DistContext) -> None:
+    log = logging.getLogger("imagenet")
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stdout)
+    prefix = "" if ctx.is_main else f"[rank {ctx.rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if ctx.is_main else logging.WARNING)
+    log.propagate = False
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _prepare_output_dir(path: str, ctx: distributed.DistContext) -> None:
+    if not ctx.is_main:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"--output-dir {path} is not writable ({e.strerror or e}); choose another folder")
+
+
+def _resolve_data_root(cfg: Config) -> Optional[str]:
+    if cfg.dummy:
+        return None
+    if cfg.data:
+        return cfg.data
+    from .prepare import default_cache_dir, ensure_builtin_mnist
+    return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
+
+
+def _param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bool) -> list:
+    if not exempt_norm_and_bias:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+    decay, no_decay = [], []
+    for p in model.parameters():
+        # 1-D parameters are exactly the BatchNorm weights/biases and the biases in ResNets.
+        (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, source: str) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    per_dev = per_process_batch(cfg.batch_size, ctx)
+    if ctx.mode == "dp":
+        per_dev = f"~{cfg.batch_size // len(ctx.device_ids)} (split by DataParallel over {len(ctx.device_ids)} GPUs)"
+    elif ctx.distributed:
+        per_dev = f"{per_dev} ({ctx.world_size} processes)"
+    logger.info("=> mode: %s", ctx.describe())
+    if ctx.mode == "dp":
+        logger.info("=> hint: python -m multiproc main.py ... runs one process per GPU (DDP) and is faster")
+    logger.info("=> data: %s (%d train / %d val images, %d classes)", source, len(data.train), len(data.val),
+                len(data.classes))
+    logger.info("=> model: %s%s, %.1fM parameters, %s", cfg.arch, " (small stem)" if cfg.small_stem else "",
+                n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous")
+    logger.info("=> precision: %s", describe(precision, cfg.tf32, ctx.device))
+    logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
+                cfg.lr, cfg.lr_schedule, cfg.epochs)
+
+
+def run(cfg: Config) -> dict:
+    """Train (or with ``--evaluate`` validate) as configured; returns the final summary."""
+    ctx = distributed.setup(cfg)
+    _setup_logging(ctx)
+    try:
+        return _run(cfg, ctx)
+    finally:
+        distributed.cleanup(ctx)
+
+
+def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
+    seed = cfg.seed if cfg.seed is not None else 0
+    _seed_everything(seed)  # same model initialisation on every rank
+    if ctx.device.type == "cuda":
+        configure_tf32(cfg.tf32)
+        torch.backends.cudnn.benchmark = not cfg.deterministic
+        torch.backends.cudnn.deterministic = cfg.deterministic
+    _prepare_output_dir(cfg.output_dir, ctx)
+
+    root = _resolve_data_root(cfg)
+    data = build_datasets(cfg, root)
+    source = root if cfg.data or cfg.dummy is False and root else "synthetic data (--dummy)"
+    if not cfg.data and not cfg.dummy:
+        source = f"built-in MNIST-5k ({root})"
+    train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
+
+    model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
+    start = _starting_weights(cfg)
+    if start is not None:
+        load_weights_into(model, *start)
+    if cfg.sync_bn and ctx.distributed:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(ctx.device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    precision = build_precision(cfg, ctx.device)
+    model = precision.prepare_model(model)
+    groups = precision.param_groups(_param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    iters = len(train_loader) if cfg.prof < 0 else min(len(train_loader), cfg.prof)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
+    if ctx.is_main:
+        _banner(cfg, ctx, data, model, precision, source)
+    model = distributed.wrap(model, ctx)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
+    # Augmentation draws differ per rank (each rank sees other images anyway).
+    torch.manual_seed(seed + ctx.rank)
+
+    start_epoch, best_acc1 = 0, 0.0
+    resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
+    if resume_path:
+        start_epoch, best_acc1 = _resume(resume_path, cfg, len(data.classes), model, optimizer, scheduler,
+                                         precision)
+    if cfg.start_epoch is not None:
+        start_epoch = cfg.start_epoch
+
+    progress = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
+    opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps)
+    if cfg.evaluate:
+        result = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
+        result.pop("skipped_paths")
+        return result
+    return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
+                  opts, start_epoch, best_acc1)
+
+
+def _starting_weights(cfg: Config) -> Optional[tuple]:
+    if cfg.pretrained:
+        return pretrained_state_dict(cfg.arch), f"torchvision {cfg.arch} ImageNet weights"
+    if cfg.weights:
+        state = ckpt_io.read_checkpoint(cfg.weights)
+        state = state.get("state_dict", state)
+        if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise UserError(f"--weights {cfg.weights} holds no state dict of tensors; give a model "
+                            "state dict or a checkpoint written by this trainer")
+        return state, cfg.weights
+    return None
+
+
+def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision) -> tuple:
+    from .models import strip_prefix
+    ckpt = ckpt_io.read_checkpoint(path)
+    ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
+    arch = ckpt.get("arch", cfg.arch)
+    if arch != cfg.arch:
+        raise UserError(f"{path} was trained as {arch}, not -a {cfg.arch}; pass -a {arch} to resume it")
+    state = strip_prefix(ckpt["state_dict"])
+    load_weights_into(model.module if hasattr(model, "module") else model, state, path)
+    precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if "scheduler" in ckpt:
+            scheduler.load_state_dict(ckpt["scheduler"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
+                        "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
+    precision.load_state_dict(ckpt.get("precision") or {})
+    ckpt_io.restore_rng(ckpt.get("rng"))
+    epoch, best = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0))
+    logger.info("=> resumed %s: continuing at epoch %d (best Acc@1 so far %.3f)", path, epoch, best)
+    if epoch >= cfg.epochs:
+        logger.info("=> that checkpoint already finished %d of --epochs %d; nothing left to train", epoch, cfg.epochs)
+    return epoch, best
+
+
+def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
+           start_epoch: int, best_acc1: float) -> dict:
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    run_start = time.perf_counter()
+    last: dict = {}
+    total_images = 0.0
+    for epoch in range(start_epoch, cfg.epochs):
+        epoch_start = time.perf_counter()
+        train_loader.sampler.set_epoch(epoch)
+        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch,
+                                cfg.channels_last, opts)
+        val = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
+        skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
+                                  len(data.train) + len(data.val))
+        is_best = val["val_acc1"] > best_acc1
+        best_acc1 = max(best_acc1, val["val_acc1"])
+        record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], **train, **val,
+                  "epoch_seconds": time.perf_counter() - epoch_start, "skipped_images": skipped,
+                  "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
+                  "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode,
+                  "world_size": ctx.world_size}
+        total_images += train["train_samples"]
+        if ctx.is_main:
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch + 1, best_acc1, model, optimizer, scheduler,
+                                                      precision, data), cfg.output_dir, is_best)
+            if train["skipped_steps"]:
+                logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
+                            epoch, train["skipped_steps"], train["steps"], precision.loss_scale)
+        last = record
+        if cfg.prof > 0:
+            break
+    total = time.perf_counter() - run_start
+    summary = {"best_acc1": best_acc1, "last_acc1": last.get("val_acc1"), "epochs_run": cfg.epochs - start_epoch,
+               "seconds": total, "img_per_s": total_images / total if total > 0 else 0.0, "last": last}
+    if ctx.is_main and last:
+        logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s, %.0f img/s; outputs in %s",
+                    best_acc1, last["val_acc1"], total, summary["img_per_s"], os.path.abspath(cfg.output_dir))
+    return summary
+
+
+def _report_skipped(cfg, ctx, paths: list, epoch: int, total_images: int) -> int:
+    count = torch.tensor([float(len(paths))], device=ctx.device)
+    count = int(distributed.all_reduce_sum(count, ctx).item())
+    if count and ctx.is_main:
+        with open(os.path.join(cfg.output_dir, "skipped_images.txt"), "a") as fh:
+            fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
+        logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s)", epoch, count,
+                       ", ".join(paths[:3]) or "on other ranks", os.path.join(cfg.output_dir, "skipped_images.txt"))
+    if total_images and count / total_images > cfg.max_bad_fraction:
+        raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
+                        f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
+    return count
+
+
+def _checkpoint_state(cfg, next_epoch: int, best_acc1: float, model, optimizer, scheduler, precision,
+                      data: DataBundle) -> dict:
+    return {
+        "format_version": ckpt_io.FORMAT_VERSION,
+        "epoch": next_epoch,  # the epoch to run next, as the reference script stores it
+        "arch": cfg.arch,
+        "num_classes": len(data.classes),
+        "classes": list(data.classes),
+        "state_dict": precision.model_state_dict(model),
+        "best_acc1": best_acc1,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "precision": precision.state_dict(),
+        "rng": ckpt_io.capture_rng(),
+        "config": cfg.to_dict(),
+    }
+
+
+def spawn_per_gpu(cfg: Config) -> int:
+    """``--multiprocessing-distributed``: one process per visible GPU, started from here."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise UserError("--multiprocessing-distributed starts one process per GPU and none is visible; "
+                        "for CPU processes use python -m multiproc --nproc-per-node N main.py ... "
+                        "--dist-backend gloo")
+    nodes = max(cfg.world_size, 1)
+    node = max(cfg.rank, 0)
+    if node >= nodes:
+        raise UserError(f"--rank {cfg.rank} (the node rank with --multiprocessing-distributed) must be "
+                        f"below --world-size {cfg.world_size} (the number of nodes)")
+    if cfg.dist_url.startswith("env://"):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if nodes > 1:
+                raise UserError("several nodes need a shared rendezvous: set MASTER_ADDR/MASTER_PORT "
+                                "or pass --dist-url tcp://HOST:PORT")
+            os.environ["MASTER_PORT"] = str(distributed.free_port())
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch.multiprocessing as mp
+    try:
+        mp.spawn(_spawned_worker, args=(cfg, n, node, nodes), nprocs=n, join=True)
+    except mp.ProcessExitedException as e:
+        return e.exit_code if e.exit_code and e.exit_code > 0 else 1
+    return 0
+
+
+def _spawned_worker(local_rank: int, cfg: Config, n: int, node: int, nodes: int) -> None:
+    import dataclasses
+    os.environ.update({"RANK": str(node * n + local_rank), "LOCAL_RANK": str(local_rank),
+                       "WORLD_SIZE": str(nodes * n), "LOCAL_WORLD_SIZE": str(n)})
+    child = dataclasses.replace(cfg, multiprocessing_distributed=False, world_size=-1, rank=-1, gpu=None)
+    try:
+        run(child)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)

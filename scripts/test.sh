@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up .venv (once), then run the CPU test suite. GPU tests skip without CUDA.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/setup_env.sh"
+cd "$REPO"
+# Tests export the built-in dataset into a throwaway cache, never into the user's.
+export IMAGENET_TRAINER_CACHE="${IMAGENET_TRAINER_CACHE:-$(mktemp -d)}"
+exec python -m pytest -q -p no:cacheprovider tests "$@"
