@@ -30,8 +30,18 @@ FORMAT_VERSION = 1
 def atomic_save(obj: dict, path: str) -> None:
     """``torch.save`` to ``path`` atomically; on failure the previous file is untouched."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=folder)
+    prefix = ".tmp-" + os.path.basename(path) + "."
+    for stale in os.listdir(folder):  # left by a writer that was killed mid-save
+        if stale.startswith(prefix):
+            try:
+                os.unlink(os.path.join(folder, stale))
+            except OSError:
+                pass
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide checkpoints from the group
         with os.fdopen(fd, "wb") as fh:
             torch.save(obj, fh)
             fh.flush()
@@ -58,8 +68,13 @@ def save_checkpoint(state: dict, output_dir: str, is_best: bool) -> str:
         atomic_save(state, path)
         if is_best:
             atomic_save(state, os.path.join(output_dir, BEST))
-    except OSError as e:
-        raise UserError(f"could not write a checkpoint in {output_dir} ({e.strerror or e}); the previous "
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a full disk as a RuntimeError from its zip writer, the OSError inside.
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        reason = cause.strerror or str(cause)
+        raise UserError(f"could not write a checkpoint in {output_dir} ({reason}); the previous "
                         "checkpoint is intact: free disk space or choose a writable --output-dir")
     return path
 
@@ -73,15 +88,24 @@ def read_checkpoint(path: str) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UserError(f"{path} was refused by the safe loader (it holds code or objects other than "
-                        f"tensors and plain values: {str(e).splitlines()[0][:160]}); only load "
-                        "checkpoints you trust, written by this trainer or torch.save(state_dict)")
+        raise UserError(f"{path} was refused by the safe loader: it holds code or objects other than "
+                        f"tensors and plain values ({_refusal_reason(e)}); nothing in it was run. Only "
+                        "checkpoints written by this trainer or torch.save(state_dict) are loaded")
     except Exception as e:
-        raise UserError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:160] if str(e) else 'truncated or corrupt'})")
+        raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another "
+                        f"format: {type(e).__name__})")
     if not isinstance(obj, dict):
         raise UserError(f"{path} holds a {type(obj).__name__}, not a checkpoint or state dict")
     return obj
+
+
+def _refusal_reason(e: Exception) -> str:
+    """The line of torch's refusal that names the blocked global (not its generic preamble)."""
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "Unsupported" in line or "blocked" in line:
+            return line[:200]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 def capture_rng() -> dict:

@@ -213,8 +213,10 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
         raise UserError(f"the training set has {n_train} images, fewer than one batch of {batch} per "
                         f"process; lower -b/--batch-size (now {cfg.batch_size})")
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    # Workers start afresh each epoch, seeded from the main process's RNG, so a resumed run
+    # draws the same augmentations as an uninterrupted one (persistent workers would not).
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
-                  collate_fn=collate_skipping, persistent_workers=cfg.workers > 0)
+                  collate_fn=collate_skipping, persistent_workers=False)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)

@@ -44,11 +44,12 @@ def strip_prefix(state_dict: dict) -> dict:
     return out
 
 
-def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> None:
+def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
     """Load a (possibly prefixed) state dict; a classifier of another class count is re-initialised.
 
     Anything else that does not match is an error naming the offending keys: silently keeping
-    random layers would train a different model than the user asked for.
+    random layers would train a different model than the user asked for. Returns the state
+    dict as loaded (prefixes stripped, gaps filled).
     """
     state_dict = strip_prefix(state_dict)
     own = model.state_dict()
@@ -58,6 +59,10 @@ def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> None:
                     source, state_dict["fc.weight"].shape[0], own["fc.weight"].shape[0])
         state_dict = {k: v for k, v in state_dict.items() if k not in fc_keys}
         state_dict.update({k: own[k] for k in fc_keys})
+    # Older checkpoints (torchvision's V1 weights among them) predate BatchNorm's step counter.
+    for k in own:
+        if k.endswith("num_batches_tracked") and k not in state_dict:
+            state_dict[k] = own[k]
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
@@ -75,6 +80,7 @@ def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> None:
                         f"{tuple(state_dict[k].shape)}, the model {tuple(own[k].shape)}; "
                         "check -a/--arch and --small-stem")
     model.load_state_dict(state_dict)
+    return state_dict
 
 
 def pretrained_state_dict(arch: str) -> dict:

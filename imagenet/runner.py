@@ -201,8 +201,16 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     arch = ckpt.get("arch", cfg.arch)
     if arch != cfg.arch:
         raise UserError(f"{path} was trained as {arch}, not -a {cfg.arch}; pass -a {arch} to resume it")
+    saved_classes = ckpt.get("num_classes")
+    if saved_classes is not None and int(saved_classes) != num_classes:
+        raise UserError(f"{path} was trained on {saved_classes} classes, this dataset has {num_classes}; "
+                        "--resume continues the same run: to fine-tune from it use --weights")
     state = strip_prefix(ckpt["state_dict"])
-    load_weights_into(model.module if hasattr(model, "module") else model, state, path)
+    fc = state.get("fc.weight")
+    if fc is not None and fc.shape[0] != num_classes:
+        raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
+                        "--resume continues the same run: to fine-tune from it use --weights")
+    state = load_weights_into(model.module if hasattr(model, "module") else model, state, path)
     precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -234,7 +242,8 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
         val = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
                                   len(data.train) + len(data.val))
-        is_best = val["val_acc1"] > best_acc1
+        best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)
+        is_best = val["val_acc1"] > best_acc1 or (ctx.is_main and not os.path.exists(best_path))
         best_acc1 = max(best_acc1, val["val_acc1"])
         record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], **train, **val,
                   "epoch_seconds": time.perf_counter() - epoch_start, "skipped_images": skipped,
@@ -243,10 +252,11 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
                   "world_size": ctx.world_size}
         total_images += train["train_samples"]
         if ctx.is_main:
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
             ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch + 1, best_acc1, model, optimizer, scheduler,
                                                       precision, data), cfg.output_dir, is_best)
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
             if train["skipped_steps"]:
                 logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
                             epoch, train["skipped_steps"], train["steps"], precision.loss_scale)
