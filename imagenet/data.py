@@ -221,5 +221,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_sampler = ShardSampler(len(data.val), rank, world)
-    val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
+    # Validation draws no random numbers, so its workers may live across epochs.
+    val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False,
+                            **dict(common, persistent_workers=cfg.workers > 0))
     return train_loader, val_loader

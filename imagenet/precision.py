@@ -217,10 +217,12 @@ class MasterWeightPrecision(Precision):
 
     name = "fp16"
 
-    def __init__(self, scaler: LossScaler, model_dtype: torch.dtype = torch.float16):
-        # model_dtype=float32 turns this into an exact check of the master-weight mechanics.
+    def __init__(self, scaler: LossScaler, model_dtype: torch.dtype = torch.float16, foreach: bool = True):
+        # model_dtype=float32 turns this into an exact check of the master-weight mechanics;
+        # foreach=False does the per-step copies one tensor at a time (kept to measure the gain).
         self.scaler = scaler
         self.model_dtype = model_dtype
+        self.foreach = foreach
         self.params: list = []
         self.masters: list = []
         self.names: list = []
@@ -264,10 +266,15 @@ class MasterWeightPrecision(Precision):
         master_grads = [m.grad for _, m in with_grad]
         found_inf = torch.zeros(1, device=self.masters[0].device)
         if master_grads:
-            # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
-            torch._foreach_copy_(master_grads, model_grads)
             inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=found_inf.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
+            if self.foreach:
+                # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
+                torch._foreach_copy_(master_grads, model_grads)
+                torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
+            else:
+                for mg, g in zip(master_grads, model_grads):
+                    mg.copy_(g)
+                    torch._amp_foreach_non_finite_check_and_unscale_([mg], found_inf, inv_scale)
         # Parameters without a gradient this step must not be moved by stale master grads.
         for p, m in zip(self.params, self.masters):
             if p.grad is None:
@@ -275,7 +282,11 @@ class MasterWeightPrecision(Precision):
         overflow = bool(found_inf.item())  # the one host sync per step, to decide the skip
         if not overflow:
             optimizer.step()
-            torch._foreach_copy_(self.params, [m.detach() for m in self.masters])
+            if self.foreach:
+                torch._foreach_copy_(self.params, [m.detach() for m in self.masters])
+            else:
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
         self.scaler.update(overflow)
         for p in self.params:
             p.grad = None

@@ -8,12 +8,13 @@ cores and behaves the same on a GPU machine. Every output (logs, checkpoints, re
 goes under pytest's tmp_path, never into the checkout.
 """
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -73,8 +74,19 @@ def main_py(*args):
 
 
 def run(cmd, env=None, timeout=120):
-    return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    """subprocess.run, except that a timeout also ends the launcher's ranks, which live in
+    sessions of their own and would outlive a plain kill of the launcher."""
+    p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in children(p.pid):
+            kill_group_quietly(pid)
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd[:4]))} ... still running after {timeout}s:\n{out}{err}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def error_lines(text):
@@ -102,11 +114,13 @@ def env_of(pid):
 
 
 def kill_group_quietly(pid):
-    """Cleanup after a failed assertion: the ranks run in sessions of their own (pgid == pid)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Cleanup after a failed assertion: multiproc's ranks run in sessions of their own
+    (pgid == pid, which also reaches DataLoader workers); torchrun's do not."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def read_metrics(out_dir):
@@ -164,7 +178,6 @@ Run plainly this is a single CPU process (DistContext mode 'cpu', batch 8); unde
 import sys
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torchvision import transforms
 
 sys.path.insert(0, sys.argv[1])
@@ -175,29 +188,23 @@ from imagenet.engine import LoopOptions, train_one_epoch
 from imagenet.models import create_model
 from imagenet.precision import build_precision
 
-data_dir, out_path, steps = sys.argv[2], sys.argv[3], int(sys.argv[4])
-cfg = parse_config([data_dir, "-a", "resnet18", "-b", "8", "-j", "0", "--lr", "0.05",
+data_dir, out_path, steps = sys.argv[2], sys.argv[3], int(sys.argv[4])  # argv[5]: lr
+cfg = parse_config([data_dir, "-a", "resnet18", "-b", "8", "-j", "0", "--lr", sys.argv[5],
                     "--dist-backend", "gloo", "--seed", "0"])
 ctx = distributed.setup(cfg)  # 'ddp' under the launcher, 'cpu' without it
 
 
-class FrozenBatchNorm2d(nn.BatchNorm2d):
-    """Normalises with its running statistics even in train mode. DDP keeps per-rank batch
-    statistics, so real BatchNorm would make 2x4 differ from 1x8 by design, not by a bug."""
-
-    def forward(self, x):
-        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                            training=False, momentum=0.0, eps=self.eps)
-
-
-def freeze_bn(module):
+def per_sample_norm(module):
+    """BatchNorm -> GroupNorm (32 channels a group). DDP keeps BatchNorm statistics per rank, so
+    with real BatchNorm 2 ranks x 4 images differ from 1 x 8 by design, not by a bug; GroupNorm
+    normalises each image on its own, so a batch's split over ranks cannot change the math.
+    (Frozen/eval BatchNorm would do too in principle, but an un-normalised ResNet-18 at 16 px
+    diverges within 3 steps, which would amplify rounding far beyond the tolerance.)"""
     for name, child in module.named_children():
         if isinstance(child, nn.BatchNorm2d):
-            frozen = FrozenBatchNorm2d(child.num_features, eps=child.eps)
-            frozen.load_state_dict(child.state_dict())
-            setattr(module, name, frozen)
+            setattr(module, name, nn.GroupNorm(max(child.num_features // 32, 1), child.num_features))
         else:
-            freeze_bn(child)
+            per_sample_norm(child)
 
 
 # No randomness in the transform: both runs must feed bit-identical images.
@@ -210,15 +217,7 @@ train_loader, _ = build_loaders(cfg, data, ctx, seed=0)
 
 torch.manual_seed(0)
 model = create_model("resnet18", len(train.classes))
-# Calibrate BN statistics once on a fixed batch (identical in both runs) so the frozen network
-# is well scaled, then freeze them.
-with torch.no_grad():
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.momentum = 1.0
-    model.train()
-    model(torch.stack([train[i][0] for i in range(0, len(train), 2)]))
-freeze_bn(model)
+per_sample_norm(model)
 initial = {k: v.clone() for k, v in model.state_dict().items()}
 
 precision = build_precision(cfg, ctx.device)
@@ -243,12 +242,15 @@ distributed.cleanup(ctx)
 def test_ddp_two_ranks_match_one_process(dataset, tmp_path):
     driver = tmp_path / "parity_driver.py"
     driver.write_text(PARITY_DRIVER)
-    steps = 3
+    steps, lr = 3, 0.05
     single, ddp = tmp_path / "single.pt", tmp_path / "ddp.pt"
-    r = run([sys.executable, str(driver), str(REPO), str(dataset["root"]), str(single), str(steps)])
+
+    def args(out):
+        return [driver, REPO, dataset["root"], out, steps, lr]
+
+    r = run([sys.executable, *map(str, args(single))])
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, str(driver), str(REPO),
-                      str(dataset["root"]), str(ddp), str(steps)))
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, *args(ddp)))
     assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "GPU_1.log").read_text()
 
     a = torch.load(single, weights_only=True)
@@ -257,7 +259,10 @@ def test_ddp_two_ranks_match_one_process(dataset, tmp_path):
     assert (b["mode"], b["world_size"]) == ("ddp", 2)
     for res in (a["result"], b["result"]):
         assert res["steps"] == steps and res["train_samples"] == 8 * steps
-    # Same starting point (seeded init, identical BN calibration) ...
+        assert math.isfinite(res["train_loss"])
+    # the reduced training loss is the same mean over the same 24 images
+    assert a["result"]["train_loss"] == pytest.approx(b["result"]["train_loss"], rel=1e-5)
+    # Same starting point (seeded initialisation in both runs) ...
     for k in a["initial"]:
         assert torch.equal(a["initial"][k], b["initial"][k]), k
     # ... and training really moved the weights, so the comparison below means something.
@@ -267,12 +272,14 @@ def test_ddp_two_ranks_match_one_process(dataset, tmp_path):
 
     # The same global batches (DistributedSampler with world 1 vs 2 and one seed: rank r takes
     # positions r, r+2, ... of the same permutation, so step k of both runs holds the same 8
-    # images) give the same weights up to fp32 rounding: DDP averages two per-rank gradients
-    # of 4 images each, the single process reduces 8 images at once, so only the order of the
-    # sums differs. That is ~1e-7 relative per gradient (fp32 eps ~6e-8 times a few terms),
-    # i.e. ~1e-8 absolute on weights of ~1e-1 after lr 0.05 * 3 momentum steps: 1e-5 is loose
-    # enough for summation order and ~100x tighter than any real mistake (a missing average
-    # over ranks, a wrong shard, a different batch) would produce.
+    # images) must give the same weights up to fp32 rounding. DDP averages two per-rank
+    # gradients of 4 images each while the single process reduces all 8 at once, so only the
+    # order of the floating-point sums differs: ~1e-7 relative per gradient element (fp32 eps is
+    # 6e-8). Through lr 0.05 and 3 momentum steps that is ~1e-7 absolute on weights of ~1e-1..1
+    # (measured: 1.2e-7). 1e-5 leaves room for other summation orders (another CPU, other
+    # thread counts) and is still orders of magnitude below what a real mistake produces: the
+    # updates here are up to ~0.5 (asserted > 1e-3 above), so a gradient summed instead of
+    # averaged over ranks, or a step on other images, shows up as differences of that order.
     worst = {k: (a["final"][k] - b["final"][k]).abs().max().item() for k in a["final"]
              if a["final"][k].is_floating_point()}
     key = max(worst, key=worst.get)
@@ -312,8 +319,10 @@ def test_killed_rank_stops_the_launcher(dataset, tmp_path):
         took = time.monotonic() - t0
         text = (tmp_path / "launcher.out").read_text()
         assert status != 0, text
-        assert status == 128 + signal.SIGKILL, text  # the first failure: rank 1, killed by signal 9
-        assert "rank 1 exited with status 137" in text
+        # Normally 137 (rank 1, SIGKILL). Rank 0 sees gloo's "connection reset" and exits 1 by
+        # itself soon after; when both deaths fall in one poll of the launcher, it names rank 0.
+        assert status in (128 + signal.SIGKILL, 1), text
+        assert "exited with status" in text
         assert took < 30
         time.sleep(0.5)
         left = [pid for pid in ranks.values() if alive(pid)]
@@ -466,3 +475,38 @@ def test_torchrun_runs_the_trainer(dataset, tmp_path):
     assert len(records) == 1
     assert records[0]["val_samples"] == dataset["n_val"]
     assert records[0]["world_size"] == 2
+
+
+# ------------------------------------------- 7. an unreadable batch on one rank (bad-file policy)
+
+@pytest.mark.xfail(reason="BUG: imagenet/engine.py:80-81 -- a DDP rank whose whole batch is "
+                   "unreadable `continue`s past forward/backward/scheduler.step, so its "
+                   "collectives fall out of step with the other ranks: the run hangs until "
+                   "--dist-timeout (default 1800 s) and dies with gloo tracebacks (or pairs "
+                   "gradients of different steps) instead of skipping the files", strict=True)
+def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
+    """DESIGN: 'A corrupt image inside a dataset is skipped, counted and reported, never fatal.'
+    Corrupt exactly the 4 images that rank 1 draws for its first step (the same
+    DistributedSampler, seed and epoch as data.build_loaders), so that rank has nothing to train
+    on at step 0 while rank 0 has a full batch."""
+    from torch.utils.data.distributed import DistributedSampler
+    from imagenet.data import SafeImageFolder
+
+    root = tmp_path / "data"
+    shutil.copytree(dataset["root"], root)
+    train = SafeImageFolder(str(root / "train"))
+    sampler = DistributedSampler(train, num_replicas=2, rank=1, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    for i in list(sampler)[:4]:
+        Path(train.samples[i][0]).write_bytes(b"not a png")
+
+    out = tmp_path / "out"
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, "--grace-period", 2, "main.py",
+                      root, *TINY, "-b", 8, "--epochs", 1, "--dist-backend", "gloo",
+                      "--dist-timeout", 10, "--max-bad-fraction", 0.5, "--output-dir", out),
+            timeout=90)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rec = read_metrics(out)[0]
+    assert rec["skipped_images"] == 4
+    assert rec["train_samples"] == dataset["n_train"] - 4
+    assert rec["val_samples"] == dataset["n_val"]

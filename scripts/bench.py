@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Training-step throughput on synthetic on-device data, through the trainer's own pieces.
+
+    python scripts/bench.py train --arch resnet50 --precision amp --channels-last --batch-size 256
+    python scripts/bench.py train --matrix                     # every precision x layout, one table
+    CUDA_VISIBLE_DEVICES=0,1 python scripts/bench.py train ... # DataParallel (the trainer's choice)
+    python -m multiproc scripts/bench.py train ...             # DDP, one process per GPU
+
+Batch size is global (as in main.py). The data is generated once on the device, so the figure
+is the model step alone: forward, loss, backward, (all-reduce,) optimizer step, through the
+same precision object and parallel wrapper main.py uses. img/s is the median over timed
+windows after warm-up, with the spread (min..max) of the windows; MFU is model FLOPs (counted
+by torch's FlopCounterMode on one step) per second over a measured dense bf16 matmul ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from imagenet import distributed  # noqa: E402
+from imagenet.config import Config, validate  # noqa: E402
+from imagenet.errors import UserError  # noqa: E402
+from imagenet.models import create_model  # noqa: E402
+from imagenet.precision import MasterWeightPrecision, build_precision, configure_tf32  # noqa: E402
+
+PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
+
+
+def precision_config(name: str, base: Config) -> Config:
+    """The trainer's config for a bench precision name."""
+    flags = {"fp32": dict(tf32=False), "tf32": dict(tf32=True), "amp": dict(amp=True),
+             "amp-bf16": dict(amp=True, amp_dtype="bfloat16"), "fp16": dict(fp16=True),
+             "fp16-loop": dict(fp16=True)}[name]
+    cfg = dataclasses.replace(base, **flags)
+    validate(cfg)
+    return cfg
+
+
+def matmul_ceiling(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """Measured dense bf16 matmul TFLOP/s on random data (the MFU denominator)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def train_flops_per_image(arch: str, image_size: int, num_classes: int) -> float:
+    """Forward + backward FLOPs of one image, counted on the CPU with a batch of 2."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = create_model(arch, num_classes)
+    x = torch.randn(2, 3, image_size, image_size)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x).sum().backward()
+    return counter.get_total_flops() / 2
+
+
+def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
+    base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last,
+                  image_size=args.image_size)
+    cfg = precision_config(name, base)
+    if ctx.device.type == "cuda":
+        configure_tf32(cfg.tf32)
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = create_model(cfg.arch, args.num_classes).to(ctx.device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    precision = build_precision(cfg, ctx.device)
+    if name == "fp16-loop":
+        precision = MasterWeightPrecision(precision.scaler, foreach=False)
+    model = precision.prepare_model(model)
+    params = precision.param_groups([{"params": list(model.parameters())}])
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
+    model = distributed.wrap(model, ctx)
+    criterion = nn.CrossEntropyLoss()
+    per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
+    images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    targets = torch.randint(0, args.num_classes, (per_proc,), device=ctx.device)
+    model.train()
+
+    def step():
+        loss = criterion(precision.forward(model, images), targets)
+        precision.backward(loss)
+        precision.step(optimizer)
+
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    for _ in range(args.warmup):
+        step()
+    sync()
+    rates = []
+    for _ in range(args.windows):
+        distributed.barrier(ctx)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        rates.append(args.batch_size * args.steps / (time.perf_counter() - t0))
+    peak = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if ctx.device.type == "cuda" else 0.0
+    del model, optimizer, precision
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
+            "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
+            "devices": ctx.n_devices, "batch": args.batch_size}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train", help="model-step throughput on synthetic on-device data")
+    t.add_argument("--arch", default="resnet50")
+    t.add_argument("--precision", choices=PRECISIONS, default="amp")
+    t.add_argument("--channels-last", action="store_true")
+    t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
+    t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
+    t.add_argument("--batch-size", type=int, default=256, help="global batch")
+    t.add_argument("--image-size", type=int, default=224)
+    t.add_argument("--num-classes", type=int, default=1000)
+    t.add_argument("--warmup", type=int, default=15, help="untimed steps first (cudnn autotuning)")
+    t.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    t.add_argument("--windows", type=int, default=5, help="timed windows; the median is reported")
+    t.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    try:
+        ctx = distributed.setup(Config(batch_size=args.batch_size))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if ctx.distributed and args.batch_size % ctx.world_size:
+        print(f"error: --batch-size {args.batch_size} does not divide over {ctx.world_size} processes",
+              file=sys.stderr)
+        return 2
+    combos = ([(n, cl) for n in args.precisions.split(",") for cl in (False, True)] if args.matrix
+              else [(args.precision, args.channels_last)])
+    flops = train_flops_per_image(args.arch, args.image_size, args.num_classes)
+    ceiling = matmul_ceiling(ctx.device)
+    rows = []
+    for name, cl in combos:
+        row = bench_one(args, name, cl, ctx)
+        row["mfu"] = row["img_per_s"] * flops / 1e12 / (ceiling * row["devices"]) if ceiling == ceiling else None
+        rows.append(row)
+        if ctx.is_main:
+            print(f"bench: {name:9s} {'channels_last' if cl else 'contiguous':13s} "
+                  f"{row['img_per_s']:9.0f} img/s", flush=True)
+    if ctx.is_main:
+        print(f"\n{args.arch}, global batch {args.batch_size}, {ctx.describe()}; "
+              f"{flops / 1e9:.1f} GFLOP/img (fwd+bwd); bf16 matmul ceiling {ceiling:.0f} TFLOP/s per GPU")
+        print(f"| precision | layout | img/s (median) | spread (min..max) | peak GiB | MFU |")
+        print("| --- | --- | ---: | --- | ---: | ---: |")
+        for r in rows:
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+            print(f"| {r['precision']} | {'channels_last' if r['channels_last'] else 'contiguous'} | "
+                  f"{r['img_per_s']:.0f} | {r['min']:.0f}..{r['max']:.0f} | {r['peak_gib']:.1f} | {mfu} |")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+    distributed.cleanup(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

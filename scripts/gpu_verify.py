@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""The GPU verification matrix, one phase per device call, each ending in a short table.
+
+    python scripts/gpu_verify.py smoke      # GPU tests, every mode for a few steps, the demo's time
+    python scripts/gpu_verify.py precision  # Fashion-MNIST, 1 GPU: fp32 vs fp16 (static/dynamic) vs amp
+    python scripts/gpu_verify.py multigpu   # the report's commands on 2 GPUs: DataParallel and DDP
+    python scripts/gpu_verify.py bench      # resnet50 step throughput: precision x layout; 1 GPU, DP, DDP
+
+Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
+--out DIR (logs and metrics of every run). Every command line is printed with its result, so
+the tables in docs/BENCHMARKS.md can cite them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", **(env_extra or {}))
+    fh = open(log, "w")
+    proc = subprocess.Popen(cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    if wait:
+        proc.wait()
+    return proc
+
+
+def last_metrics(out_dir: str) -> list:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path)]
+
+
+def tail(path: str, n: int = 6) -> str:
+    try:
+        return "".join(open(path).readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def ensure_fashion(args) -> str:
+    if os.path.isdir(os.path.join(args.data, "train")):
+        return args.data
+    cmd = f"{PY} scripts/prepare_dataset.py fashion-mnist --src {args.idx_dir} --out {args.data}"
+    print("$", cmd, flush=True)
+    t0 = time.time()
+    if sh(cmd, os.path.join(args.out, "prepare.log")).returncode:
+        sys.exit("preparing Fashion-MNIST failed:\n" + tail(os.path.join(args.out, "prepare.log"), 20))
+    print(f"  prepared in {time.time() - t0:.0f} s", flush=True)
+    return args.data
+
+
+def run_group(runs: list, args) -> list:
+    """Start runs concurrently (each a dict: name, cmd, env), wait, collect results."""
+    procs = []
+    for r in runs:
+        out = os.path.join(args.out, r["name"])
+        os.makedirs(out, exist_ok=True)
+        cmd = r["cmd"].replace("OUT", out)
+        print(f"$ {' '.join(f'{k}={v}' for k, v in r.get('env', {}).items())} {cmd}".replace("$  ", "$ "), flush=True)
+        procs.append((r, out, cmd, time.time(), sh(cmd, os.path.join(out, "log.txt"), r.get("env"), wait=False)))
+    results = []
+    for r, out, cmd, t0, proc in procs:
+        rc = proc.wait()
+        rows = last_metrics(out)
+        res = {"name": r["name"], "cmd": cmd, "env": r.get("env", {}), "rc": rc, "seconds": time.time() - t0,
+               "acc1": rows[-1]["val_acc1"] if rows else None, "best": max((x["val_acc1"] for x in rows), default=None),
+               "val_samples": rows[-1]["val_samples"] if rows else None,
+               "img_per_s": sorted(x["img_per_s"] for x in rows)[len(rows) // 2] if rows else None,
+               "skipped_steps": rows[-1].get("skipped_steps_total") if rows else None,
+               "loss_scale": rows[-1].get("loss_scale") if rows else None, "epochs": len(rows)}
+        if rc:
+            print(f"  !! {r['name']} exited {rc}:\n{tail(os.path.join(out, 'log.txt'), 15)}", flush=True)
+        else:
+            print(f"  {r['name']}: Acc@1 {res['acc1']:.2f} in {res['seconds']:.0f} s", flush=True)
+        results.append(res)
+    return results
+
+
+def table(results: list, ref: str | None) -> None:
+    base = next((r["acc1"] for r in results if r["name"] == ref and r["acc1"] is not None), None)
+    print("\n| run | final Acc@1 | best | vs run 1 | val images | train img/s (median epoch) | skipped steps | final loss scale | wall s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        if r["acc1"] is None:
+            print(f"| {r['name']} | FAILED (exit {r['rc']}) | | | | | | | {r['seconds']:.0f} |")
+            continue
+        diff = f"{r['acc1'] - base:+.2f}" if base is not None else "-"
+        print(f"| {r['name']} | {r['acc1']:.2f} | {r['best']:.2f} | {diff} | {r['val_samples']} | "
+              f"{r['img_per_s']:.0f} | {r['skipped_steps']} | {r['loss_scale']} | {r['seconds']:.0f} |")
+    print("\ncommands:")
+    for r in results:
+        env = " ".join(f"{k}={v}" for k, v in r["env"].items())
+        print(f"- {r['name']}: `{(env + ' ') if env else ''}{r['cmd']}`")
+
+
+def recipe(args, data: str) -> str:
+    return (f"main.py {data} --config configs/fashion-mnist.yaml -a resnet18 -b 128 --lr=.01 "
+            f"--epochs {args.epochs} -j {args.workers} --output-dir OUT")
+
+
+def phase_smoke(args) -> None:
+    data = ensure_fashion(args)
+    print("$ pytest tests/test_gpu.py tests/test_precision.py", flush=True)
+    log = os.path.join(args.out, "pytest.log")
+    rc = sh(f"{PY} -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_precision.py",
+            log).returncode
+    print(tail(log, 60 if rc else 3), flush=True)
+    quick = (f"main.py {data} --config configs/fashion-mnist.yaml -b 128 --epochs 1 --warmup-epochs 0 --prof 30 -j 4 "
+             "--output-dir OUT")
+    runs = [
+        {"name": "s-gpu-fp32", "cmd": f"{PY} {quick}", "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+        {"name": "s-gpu-fp16", "cmd": f"{PY} {quick} --fp16 --channels-last", "env": {"CUDA_VISIBLE_DEVICES": "1"}},
+    ]
+    results = run_group(runs, args)
+    runs = [
+        {"name": "s-gpu-amp-bf16", "cmd": f"{PY} {quick} --amp --amp-dtype bfloat16", "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+        {"name": "s-gpu-amp", "cmd": f"{PY} {quick} --amp", "env": {"CUDA_VISIBLE_DEVICES": "1"}},
+    ]
+    results += run_group(runs, args)
+    results += run_group([{"name": "s-dp-fp16", "cmd": f"{PY} {quick} --fp16 --loss-scale 256",
+                           "env": {"CUDA_VISIBLE_DEVICES": "0,1"}}], args)
+    results += run_group([{"name": "s-ddp-fp16", "cmd": f"{PY} -m multiproc --log-dir OUT {quick} --fp16",
+                           "env": {"CUDA_VISIBLE_DEVICES": "0,1"}}], args)
+    # One full epoch on one GPU, to size the parity runs.
+    results += run_group([{"name": "s-epoch-fp32", "cmd": f"{PY} {recipe(args, data).replace(f'--epochs {args.epochs}', '--epochs 1 --warmup-epochs 0')}",
+                           "env": {"CUDA_VISIBLE_DEVICES": "0"}}], args)
+    # The README's demo on one GPU (issue: under 30 s on a GPU).
+    results += run_group([{"name": "demo", "cmd": f"{PY} main.py --config configs/demo.yaml --output-dir OUT",
+                           "env": {"CUDA_VISIBLE_DEVICES": "0", "IMAGENET_TRAINER_CACHE": "/tmp/itcache"}}], args)
+    table(results, None)
+    print(f"\npytest exit {rc}")
+
+
+def phase_precision(args) -> None:
+    data = ensure_fashion(args)
+    base = f"{PY} {recipe(args, data)}"
+    g0, g1 = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}
+    results = run_group([{"name": "1-fp32", "cmd": base, "env": g0},
+                         {"name": "2-fp16-static256", "cmd": f"{base} --fp16 --loss-scale=256", "env": g1}], args)
+    results += run_group([{"name": "fp16-dynamic", "cmd": f"{base} --fp16", "env": g0},
+                          {"name": "amp-fp16", "cmd": f"{base} --amp", "env": g1}], args)
+    results += run_group([{"name": "amp-bf16", "cmd": f"{base} --amp --amp-dtype bfloat16", "env": g0}], args)
+    table(results, "1-fp32")
+
+
+def phase_multigpu(args) -> None:
+    data = ensure_fashion(args)
+    base = f"{PY} {recipe(args, data)}"
+    two = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    runs = [("3-dp-fp32", base), ("4-dp-fp16-static256", f"{base} --fp16 --loss-scale=256"),
+            ("5-ddp-fp16-static256", f"{PY} -m multiproc --log-dir OUT {recipe(args, data)} --fp16 --loss-scale=256 --dist-backend nccl"),
+            ("6a-ddp-fp16-dynamic", f"{PY} -m multiproc --log-dir OUT {recipe(args, data)} --fp16 --dist-backend nccl"),
+            ("6b-ddp-amp", f"{PY} -m multiproc --log-dir OUT {recipe(args, data)} --amp --dist-backend nccl")]
+    if args.only:
+        runs = [r for r in runs if r[0].split("-")[0] in args.only.split(",")]
+    results = []
+    for name, cmd in runs:
+        results += run_group([{"name": name, "cmd": cmd, "env": two}], args)
+    ref = args.ref_acc
+    if ref is not None:
+        results.insert(0, {"name": "1-fp32", "acc1": ref, "best": ref, "val_samples": 10000, "img_per_s": 0,
+                           "skipped_steps": 0, "loss_scale": None, "seconds": 0, "rc": 0, "cmd": "(precision phase)",
+                           "env": {}})
+    table(results, "1-fp32")
+
+
+def phase_bench(args) -> None:
+    common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
+    runs = [("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json", {"CUDA_VISIBLE_DEVICES": "0"})]
+    for name, cmd, env in runs:
+        run_group([{"name": name, "cmd": cmd, "env": env}], args)
+        print(tail(os.path.join(args.out, name, "log.txt"), 20), flush=True)
+    best = args.bench_best
+    scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", {"CUDA_VISIBLE_DEVICES": "0"}),
+             ("bench-dp2", f"{PY} {common} --precision {best} --channels-last", {"CUDA_VISIBLE_DEVICES": "0,1"}),
+             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last",
+              {"CUDA_VISIBLE_DEVICES": "0,1"})]
+    for name, cmd, env in scale:
+        run_group([{"name": name, "cmd": cmd, "env": env}], args)
+        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench"))
+    p.add_argument("--data", default="/tmp/fashion-mnist")
+    p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
+    p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--workers", type=int, default=6)
+    p.add_argument("--ref-acc", type=float, help="run 1's Acc@1 from the precision phase, for the multigpu table")
+    p.add_argument("--bench-best", default="fp16", help="precision for the DP/DDP scaling rows")
+    p.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
+    p.add_argument("--bench-steps", type=int, default=20)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench}[args.phase](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
