@@ -31,6 +31,7 @@ class LoopOptions:
     progress: str = "lines"  # bar | lines
     max_steps: Optional[int] = None  # --prof: stop early
     max_nonfinite_steps: int = 200
+    input_shape: tuple = (3, 224, 224)  # of one image, for a stand-in batch (see train_one_epoch)
 
 
 def move_batch(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
@@ -72,23 +73,32 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     n = len(loader) if opts.max_steps is None else min(len(loader), opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
     steps = skipped_steps = 0
+    last_good = None
     start = end = time.perf_counter()
     for i, (images, targets, bad) in enumerate(loader):
         if i >= n:
             break
         skipped_paths += bad
-        if targets.numel() == 0:
-            continue  # every image of this batch was unreadable
         data_time.update(time.perf_counter() - end)
-        images, targets = move_batch(images, targets, ctx.device, channels_last)
+        weight = 1.0
+        if targets.numel() == 0:  # every image of this batch was unreadable
+            if not ctx.distributed:
+                continue
+            # Other ranks wait for this rank's gradients: take part with a zero-weight batch.
+            images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
+            weight = 0.0
+        else:
+            images, targets = move_batch(images, targets, ctx.device, channels_last)
+            last_good = (images, targets)
         output = precision.forward(model, images)
-        loss = criterion(output, targets)
+        loss = criterion(output, targets) * weight
         precision.backward(loss)
         if not precision.step(optimizer):
             skipped_steps += 1
         scheduler.step()
         steps += 1
-        sums.add(loss, output, targets)
+        if weight:
+            sums.add(loss, output, targets)
         nonfinite_run = (nonfinite_run + 1) * (~torch.isfinite(loss.detach()))
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
@@ -110,6 +120,11 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             "train_samples": totals["count"], "steps": steps, "skipped_steps": skipped_steps,
             "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
             "train_seconds": elapsed, "skipped_paths": skipped_paths}
+
+
+def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
+    # Two images, so BatchNorm in training mode has more than one value per channel.
+    return torch.zeros((2, *shape), device=device), torch.zeros(2, dtype=torch.long, device=device)
 
 
 def _check_finite(run: torch.Tensor, limit: int, precision) -> None:

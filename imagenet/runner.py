@@ -172,7 +172,8 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         start_epoch = cfg.start_epoch
 
     progress = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
-    opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps)
+    opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps,
+                       (3, cfg.image_size, cfg.image_size))
     if cfg.evaluate:
         result = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
         result.pop("skipped_paths")

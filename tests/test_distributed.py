@@ -479,11 +479,6 @@ def test_torchrun_runs_the_trainer(dataset, tmp_path):
 
 # ------------------------------------------- 7. an unreadable batch on one rank (bad-file policy)
 
-@pytest.mark.xfail(reason="BUG: imagenet/engine.py:80-81 -- a DDP rank whose whole batch is "
-                   "unreadable `continue`s past forward/backward/scheduler.step, so its "
-                   "collectives fall out of step with the other ranks: the run hangs until "
-                   "--dist-timeout (default 1800 s) and dies with gloo tracebacks (or pairs "
-                   "gradients of different steps) instead of skipping the files", strict=True)
 def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     """DESIGN: 'A corrupt image inside a dataset is skipped, counted and reported, never fatal.'
     Corrupt exactly the 4 images that rank 1 draws for its first step (the same
