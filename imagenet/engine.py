@@ -10,6 +10,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,6 +22,7 @@ from .errors import UserError
 from .metrics import AverageMeter, DeviceSums
 
 logger = logging.getLogger(__name__)
+_SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
 @dataclass
@@ -95,7 +97,11 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         precision.backward(loss)
         if not precision.step(optimizer):
             skipped_steps += 1
-        scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped (overflowing) first step makes torch warn that the schedule runs ahead
+            # of the optimizer; stepping the schedule every iteration regardless is the intent.
+            warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
+            scheduler.step()
         steps += 1
         if weight:
             sums.add(loss, output, targets)

@@ -36,8 +36,8 @@ class DeviceSums:
     def add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
         n = target.numel()
         correct = topk_correct(output.detach(), target)
-        batch = torch.cat([(loss.detach().to(torch.float64) * n).view(1), correct,
-                           torch.tensor([n], dtype=torch.float64, device=self.sums.device)])
+        # new_full fills on the device: a host tensor copied in would stall the queue every step.
+        batch = torch.cat([(loss.detach().to(torch.float64) * n).view(1), correct, correct.new_full((1,), n)])
         self.last = batch
         self.sums += batch
 

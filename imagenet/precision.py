@@ -207,6 +207,8 @@ class AutocastPrecision(Precision):
         return {"mode": self.name, "scaler": self.scaler.state_dict(), "skipped_steps": self._skipped}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != self.name:
+            return  # saved in another mode: this mode's scaler starts fresh
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self._skipped = int(state.get("skipped_steps", 0))

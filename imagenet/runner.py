@@ -23,7 +23,7 @@ from .config import Config, parse_config
 from .data import DataBundle, build_datasets, build_loaders, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
-from .models import create_model, load_weights_into, pretrained_state_dict
+from .models import create_model, load_weights_into, pretrained_state_dict, strip_prefix
 from .precision import build_precision, configure_tf32, describe
 
 logger = logging.getLogger("imagenet")
@@ -135,9 +135,10 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
 
     root = _resolve_data_root(cfg)
     data = build_datasets(cfg, root)
-    source = root if cfg.data or cfg.dummy is False and root else "synthetic data (--dummy)"
-    if not cfg.data and not cfg.dummy:
-        source = f"built-in MNIST-5k ({root})"
+    if cfg.dummy:
+        source = "synthetic data (--dummy)"
+    else:
+        source = root if cfg.data else f"built-in MNIST-5k ({root})"
     train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
 
     model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
@@ -196,7 +197,6 @@ def _starting_weights(cfg: Config) -> Optional[tuple]:
 
 
 def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision) -> tuple:
-    from .models import strip_prefix
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     arch = ckpt.get("arch", cfg.arch)

@@ -1,0 +1,125 @@
+"""Precision modes through the whole trainer: fp16 checkpoints, exact resume, switching modes, NaN stop."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torchvision
+
+from imagenet import prepare
+from imagenet.config import parse_config
+from imagenet.errors import UserError
+from imagenet.precision import build_precision
+from imagenet.runner import main
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    prepare.export_mnist5k(str(root), limit_per_class=8)
+    return str(root)
+
+
+def argv(data, out, *extra):
+    return [data, "-a", "resnet18", "-b", "16", "-j", "0", "--image-size", "16", "--val-resize", "16",
+            "-p", "100", "--seed", "0", "--lr", "0.02", "--output-dir", str(out), *extra]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(digits, tmp_path):
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    state = ckpt["state_dict"]
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    torchvision.models.resnet18(num_classes=10).load_state_dict(state)  # strict
+    assert ckpt["precision"]["mode"] == "fp16" and ckpt["precision"]["scaler"]["scale"] > 0
+    # the masters are not the fp16 copy: some values are not representable in fp16
+    w = state["layer1.0.conv1.weight"]
+    assert not torch.equal(w, w.half().float())
+
+
+def test_fp16_resume_continues_bit_exactly(digits, tmp_path):
+    straight, first = tmp_path / "straight", tmp_path / "resumed"
+    assert main(argv(digits, straight, "--epochs", "2", "--fp16")) == 0
+    assert main(argv(digits, first, "--epochs", "1", "--fp16")) == 0
+    assert main(argv(digits, first, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+    a, b = load(straight / "checkpoint.pth.tar"), load(first / "checkpoint.pth.tar")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert a["precision"] == b["precision"]
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+
+
+# (autocast float16 on a CPU runs fp16 convolutions at a crawl: the CPU tests use bfloat16)
+@pytest.mark.parametrize("then", [[], ["--amp", "--amp-dtype", "bfloat16"]])
+def test_switching_precision_between_save_and_resume(digits, tmp_path, then):
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
+    saved = load(tmp_path / "checkpoint.pth.tar")
+    assert main(argv(digits, tmp_path, "--epochs", "2", "--resume", "auto", *then)) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["epoch"] for r in rows] == [0, 1]
+    assert rows[1]["precision"] == (then and ("amp-bf16" if "bfloat16" in then else "amp-fp16") or "fp32")
+    resumed = load(tmp_path / "checkpoint.pth.tar")
+    assert not torch.equal(resumed["state_dict"]["fc.weight"], saved["state_dict"]["fc.weight"])
+
+
+def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(digits, tmp_path, monkeypatch):
+    assert main(argv(digits, tmp_path, "--epochs", "1")) == 0
+    saved = load(tmp_path / "checkpoint.pth.tar")["state_dict"]
+    seen = {}
+    from imagenet import precision as prec_mod
+    real = prec_mod.MasterWeightPrecision.load_model_state_dict
+
+    def spy(self, model, state):
+        real(self, model, state)
+        seen.update({n: m.detach().clone() for n, m in zip(self.names, self.masters)})
+    monkeypatch.setattr(prec_mod.MasterWeightPrecision, "load_model_state_dict", spy)
+    assert main(argv(digits, tmp_path, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+    assert seen and all(torch.equal(seen[n], saved[n]) for n in seen)
+
+
+def test_persistent_nan_loss_stops_with_a_clear_error(digits, tmp_path, capsys):
+    # A learning rate of 1e30 sends the weights to inf on the first step; every loss after is NaN.
+    code = main(argv(digits, tmp_path, "--epochs", "3", "--lr", "1e30", "--max-nonfinite-steps", "3",
+                     "-p", "1"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "NaN/inf" in err and "--max-nonfinite-steps" in err and "Traceback" not in err
+
+
+def test_nan_check_can_be_disabled(digits, tmp_path):
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--lr", "1e30", "--max-nonfinite-steps", "0")) == 0
+
+
+def test_bf16_on_a_gpu_without_support_is_a_clear_error(monkeypatch):
+    cfg = parse_config(["--amp", "--amp-dtype", "bfloat16"])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(UserError, match="bfloat16.*V100.*float16"):
+        build_precision(cfg, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("flags", [["--fp16", "--loss-scale", "0"], ["--fp16", "--loss-scale", "abc"],
+                                   ["--fp16", "--loss-scale", "-8"], ["--fp16", "--amp"],
+                                   ["--amp", "--amp-dtype", "float8"], ["--loss-scale", "128"],
+                                   ["--amp", "--loss-scale", "128"]])
+def test_bad_precision_flags_exit_2(flags, capsys):
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_master_step_foreach_and_loop_agree():
+    from tests.test_precision import batches, small_net, train
+    from imagenet.precision import LossScaler, MasterWeightPrecision
+    fast = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
+    slow = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False), foreach=False)
+    train(fast, small_net(), batches(3))
+    train(slow, small_net(), batches(3))
+    assert all(torch.equal(a, b) for a, b in zip(fast.masters, slow.masters))
