@@ -505,3 +505,40 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     assert rec["skipped_images"] == 4
     assert rec["train_samples"] == dataset["n_train"] - 4
     assert rec["val_samples"] == dataset["n_val"]
+
+
+# ------------------------------------------- 8. a checkpoint from N processes resumes on M
+
+def test_two_rank_checkpoint_resumes_in_one_process(dataset, tmp_path):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", logs, "main.py", dataset["root"], *TINY,
+                      "-b", 8, "--epochs", 1, "--dist-backend", "gloo", "--output-dir", out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run(main_py(dataset["root"], *TINY, "-b", 8, "--epochs", 2, "--resume", "auto", "--output-dir", out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed" in r.stdout and "continuing at epoch 1" in r.stdout
+    records = read_metrics(out)
+    assert [(x["epoch"], x["mode"], x["world_size"]) for x in records] == [(0, "ddp", 2), (1, "cpu", 1)]
+    assert records[1]["val_samples"] == dataset["n_val"]
+
+
+# ------------------------------------------- 9. the environments that select DDP
+
+def test_launch_environments_are_read_like_torchrun_and_slurm():
+    from imagenet.config import Config
+    from imagenet.distributed import distributed_env
+    from imagenet.errors import UserError
+    cfg = Config()
+    assert distributed_env(cfg, {}) is None
+    assert distributed_env(cfg, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # a plain sbatch job
+    got = distributed_env(cfg, {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (got["rank"], got["world_size"], got["local_rank"]) == (3, 4, 1)
+    got = distributed_env(cfg, {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"})
+    assert (got["rank"], got["world_size"], got["local_rank"]) == (5, 8, 1)
+    got = distributed_env(Config(world_size=2, rank=1, dist_url="tcp://127.0.0.1:1234"), {})
+    assert (got["rank"], got["world_size"]) == (1, 2)
+    for bad in ({"RANK": "0"}, {"RANK": "4", "WORLD_SIZE": "4"}, {"RANK": "x", "WORLD_SIZE": "2"}):
+        with pytest.raises(UserError):
+            distributed_env(cfg, bad)
+    with pytest.raises(UserError, match="--rank"):
+        distributed_env(Config(world_size=2, dist_url="tcp://127.0.0.1:1234"), {})
