@@ -40,6 +40,9 @@ class Config:
     val_resize: int = 256  # validation images are resized to this (shorter side), then center-cropped
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound (fraction of the image)
     hflip: float = 0.5  # probability of a horizontal flip in training
+    data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
+    #                              classic: torchvision's PIL transforms to float in workers
+    no_jpeg_draft: bool = False  # fast pipeline: never decode JPEGs at reduced DCT scale
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
@@ -116,7 +119,7 @@ class Config:
 # Flags whose CLI spelling differs from the field name or that need special argparse handling.
 _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq": ["-p"],
           "evaluate": ["-e"], "weight_decay": ["--wd"]}
-_CHOICES = {"arch": ARCHS, "lr_schedule": ("step", "cosine"),
+_CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc")}
 _HELP = {

@@ -19,7 +19,9 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
+from .decode import TrainDecoder, ValDecoder, path_identity
 from .errors import UserError
+from .prefetch import DeviceLoader
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +186,15 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
                           SyntheticDataset(cfg.dummy_val_size, n, cfg.image_size, seed=2),
                           [str(i) for i in range(n)], "synthetic")
     classes = check_layout(root)
-    train = SafeImageFolder(os.path.join(root, "train"),
-                            train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip),
-                            loader=default_loader)
-    val = SafeImageFolder(os.path.join(root, "val"), val_transform(cfg.image_size, cfg.val_resize),
-                          loader=default_loader)
+    if cfg.data_pipeline == "fast":
+        draft = not cfg.no_jpeg_draft
+        train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft)
+        val_tf, loader = ValDecoder(cfg.image_size, cfg.val_resize, draft=draft), path_identity
+    else:
+        train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip)
+        val_tf, loader = val_transform(cfg.image_size, cfg.val_resize), default_loader
+    train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
+    val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
     return DataBundle(train, val, classes, root)
 
 
@@ -203,7 +209,8 @@ def per_process_batch(batch_size: int, ctx) -> int:
 
 
 def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
-    """(train_loader, val_loader); the train sampler reshuffles per epoch via ``set_epoch``."""
+    """(train_loader, val_loader) yielding device-ready batches; ``train_loader.sampler.set_epoch``
+    reshuffles per epoch."""
     batch = per_process_batch(cfg.batch_size, ctx)
     n_train = len(data.train)
     # One shuffling scheme for every mode (a single process is a world of one), so a DDP run's
@@ -224,4 +231,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # Validation draws no random numbers, so its workers may live across epochs.
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False,
                             **dict(common, persistent_workers=cfg.workers > 0))
-    return train_loader, val_loader
+    wrap = lambda loader: DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD)  # noqa: E731
+    return wrap(train_loader), wrap(val_loader)

@@ -36,15 +36,6 @@ class LoopOptions:
     input_shape: tuple = (3, 224, 224)  # of one image, for a stand-in batch (see train_one_epoch)
 
 
-def move_batch(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
-               channels_last: bool) -> tuple:
-    """Copy a (pinned) batch to the device without blocking; lay it out for the model."""
-    images = images.to(device, non_blocking=True)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images, targets.to(device, non_blocking=True)
-
-
 def _progress(loader, enabled: bool, desc: str):
     if not enabled:
         return None
@@ -65,8 +56,8 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
 
 
 def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
-                    ctx: DistContext, epoch: int, channels_last: bool, opts: LoopOptions) -> dict:
-    """One pass over the training loader; returns the epoch's reduced metrics."""
+                    ctx: DistContext, epoch: int, opts: LoopOptions) -> dict:
+    """One pass over the training loader (device-ready batches); returns the reduced metrics."""
     model.train()
     sums = DeviceSums(ctx.device)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
@@ -90,7 +81,6 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
             weight = 0.0
         else:
-            images, targets = move_batch(images, targets, ctx.device, channels_last)
             last_good = (images, targets)
         output = precision.forward(model, images)
         loss = criterion(output, targets) * weight
@@ -142,7 +132,7 @@ def _check_finite(run: torch.Tensor, limit: int, precision) -> None:
 
 @torch.no_grad()
 def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
-             channels_last: bool, opts: LoopOptions) -> dict:
+             opts: LoopOptions) -> dict:
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model.
     net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -159,7 +149,6 @@ def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: Dis
         skipped_paths += bad
         if targets.numel() == 0:
             continue
-        images, targets = move_batch(images, targets, ctx.device, channels_last)
         output = precision.forward(net, images)
         loss = criterion(output, targets)
         sums.add(loss, output, targets)

@@ -176,7 +176,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps,
                        (3, cfg.image_size, cfg.image_size))
     if cfg.evaluate:
-        result = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
+        result = validate(model, val_loader, criterion, precision, ctx, opts)
         result.pop("skipped_paths")
         return result
     return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
@@ -238,9 +238,8 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
     for epoch in range(start_epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         train_loader.sampler.set_epoch(epoch)
-        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch,
-                                cfg.channels_last, opts)
-        val = validate(model, val_loader, criterion, precision, ctx, cfg.channels_last, opts)
+        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts)
+        val = validate(model, val_loader, criterion, precision, ctx, opts)
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
                                   len(data.train) + len(data.val))
         best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)

@@ -154,7 +154,8 @@ def test_check_layout_accepts_images_in_nested_folders(tmp_path):
 
 
 def _cfg(**over):
-    base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0)
+    base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0,
+                data_pipeline="fast", no_jpeg_draft=False, channels_last=False)
     base.update(over)
     return SimpleNamespace(**base)
 

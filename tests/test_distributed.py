@@ -227,7 +227,7 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: 1.0)
 model = distributed.wrap(model, ctx)
 train_loader.sampler.set_epoch(0)
 result = train_one_epoch(model, train_loader, nn.CrossEntropyLoss(), optimizer, scheduler, precision,
-                         ctx, 0, False, LoopOptions(print_freq=1000, progress="lines", max_steps=steps))
+                         ctx, 0, LoopOptions(print_freq=1000, progress="lines", max_steps=steps))
 if ctx.is_main:
     torch.save({"final": precision.model_state_dict(model), "initial": initial, "result": result,
                 "mode": ctx.mode, "world_size": ctx.world_size}, out_path)

@@ -1,0 +1,86 @@
+"""Batches onto the device: copied one batch ahead on a side stream, normalised there.
+
+Loaders yield ``(images, targets, skipped_paths)``. uint8 NHWC images (the fast decode path)
+are converted to float and normalised on the device; the NHWC layout is already channels_last
+memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
+synthetic data) pass through, laid out as asked.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+
+class DeviceLoader:
+    """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
+
+    def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
+                 std: Sequence[float]):
+        self.loader = loader
+        self.device = device
+        self.channels_last = channels_last
+        # (x / 255 - mean) / std == x * scale + shift, one fused multiply-add per element
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(device)
+        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    def _convert(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype == torch.uint8 and images.dim() == 4:
+            x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
+            x = torch.addcmul(self.shift, x, self.scale)
+            return x if self.channels_last else x.contiguous()
+        if self.channels_last and images.dim() == 4:
+            return images.contiguous(memory_format=torch.channels_last)
+        return images
+
+    def _to_device(self, batch) -> tuple:
+        images, targets, skipped = batch
+        if targets.numel() == 0:
+            return images, targets, skipped
+        images = images.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        return self._convert(images), targets, skipped
+
+    def __iter__(self) -> Iterator[tuple]:
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield self._to_device(batch)
+            return
+        yield from self._prefetching()
+
+    def _prefetching(self) -> Iterator[tuple]:
+        stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        it = iter(self.loader)
+
+        def load():
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            with torch.cuda.stream(stream):
+                return self._to_device(batch)
+
+        upcoming = load()
+        while upcoming is not None:
+            main.wait_stream(stream)
+            images, targets, skipped = upcoming
+            if targets.numel():
+                # the tensors were made on the side stream: keep their memory until main is done
+                images.record_stream(main)
+                targets.record_stream(main)
+            upcoming = load()  # the next copy overlaps this batch's compute
+            yield images, targets, skipped
