@@ -219,7 +219,10 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     if n_train // world < batch:
         raise UserError(f"the training set has {n_train} images, fewer than one batch of {batch} per "
                         f"process; lower -b/--batch-size (now {cfg.batch_size})")
-    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    # drop_last: no padding with repeated images, so a DDP epoch has as many global steps as a
+    # single-process epoch of the same global batch.
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                                       drop_last=True)
     # Workers start afresh each epoch, seeded from the main process's RNG, so a resumed run
     # draws the same augmentations as an uninterrupted one (persistent workers would not).
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",

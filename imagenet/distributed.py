@@ -248,6 +248,22 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Maximum over ranks (in place); no-op outside DDP."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
         dist.barrier()

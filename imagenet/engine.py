@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .distributed import DistContext, all_reduce_sum
+from .distributed import DistContext, all_reduce_max, all_reduce_sum
 from .errors import UserError
 from .metrics import AverageMeter, DeviceSums
 
@@ -87,10 +87,13 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         precision.backward(loss)
         if not precision.step(optimizer):
             skipped_steps += 1
-        with warnings.catch_warnings():
-            # A skipped (overflowing) first step makes torch warn that the schedule runs ahead
-            # of the optimizer; stepping the schedule every iteration regardless is the intent.
-            warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
+        if steps == 0:
+            with warnings.catch_warnings():
+                # A skipped (overflowing) first step makes torch warn that the schedule runs
+                # ahead of the optimizer; stepping it every iteration regardless is the intent.
+                warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
+                scheduler.step()
+        else:
             scheduler.step()
         steps += 1
         if weight:
@@ -101,7 +104,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         if bar is not None:
             bar.update(1)
         if i % opts.print_freq == 0 or i == n - 1:
-            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision)
+            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
             avg = sums.totals(ctx, all_reduce_sum)
             if bar is not None:
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
@@ -110,7 +113,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start
-    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision)
+    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
     totals = sums.totals(ctx, all_reduce_sum)
     return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
             "train_samples": totals["count"], "steps": steps, "skipped_steps": skipped_steps,
@@ -123,7 +126,9 @@ def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
     return torch.zeros((2, *shape), device=device), torch.zeros(2, dtype=torch.long, device=device)
 
 
-def _check_finite(run: torch.Tensor, limit: int, precision) -> None:
+def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) -> None:
+    # The worst rank decides, so that every rank stops at the same step instead of one waiting.
+    run = all_reduce_max(run.clone(), ctx)
     if limit and int(run) > limit:
         raise UserError(f"the loss has been NaN/inf for {int(run)} steps in a row ({precision.name}); "
                         "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "

@@ -177,6 +177,13 @@ class AutocastPrecision(Precision):
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        # DataParallel runs replicas in worker threads, where autocast is re-enabled with the
+        # thread's default dtype (float16): bf16 runs would silently train in unscaled fp16.
+        # A pre-hook travels with every replica and sets the dtype inside the worker thread.
+        model.register_forward_pre_hook(_AutocastDtypeHook(self.device_type, self.dtype))
+        return model
+
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
@@ -214,6 +221,18 @@ class AutocastPrecision(Precision):
         self._skipped = int(state.get("skipped_steps", 0))
 
 
+class _AutocastDtypeHook:
+    """Forward pre-hook: inside an autocast region, make this thread use ``dtype``."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def __call__(self, module, args):
+        if torch.is_autocast_enabled(self.device_type):
+            torch.set_autocast_dtype(self.device_type, self.dtype)
+
+
 class MasterWeightPrecision(Precision):
     """fp16 model (BatchNorm in fp32) trained through fp32 master weights with loss scaling."""
 
@@ -231,20 +250,29 @@ class MasterWeightPrecision(Precision):
         self._master_of: dict = {}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        model.to(self.model_dtype)
-        for module in model.modules():
-            if isinstance(module, _BN_TYPES):
-                # Normalisation statistics overflow and lose precision in fp16; cuDNN and the
-                # native kernels accept fp16 input with fp32 BatchNorm parameters.
-                module.float()
         self.names, self.params = [], []
         for name, p in model.named_parameters():
             self.names.append(name)
             self.params.append(p)
+        # Masters first: they must be the exact fp32 weights, not fp16-rounded copies.
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        for module in model.modules():
+            if isinstance(module, _BN_TYPES):
+                # Normalisation statistics overflow and lose precision in fp16; cuDNN and the
+                # native kernels accept fp16 input with fp32 BatchNorm parameters.
+                continue
+            for p in module.parameters(recurse=False):
+                p.data = p.data.to(self.model_dtype)  # keeps the Parameter (DDP, optimizer)
+            for name, b in module.named_buffers(recurse=False):
+                if b.is_floating_point():
+                    module._buffers[name] = b.to(self.model_dtype)
         for m in self.masters:
             m.grad = torch.zeros_like(m)  # allocated once; refilled from the model every step
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        self._master_data = [m.detach() for m in self.masters]
+        device = self.masters[0].device
+        self._found_inf = torch.zeros(1, device=device)
+        self._inv_scale = torch.ones(1, device=device)
         return model
 
     def param_groups(self, groups: list) -> list:
@@ -266,9 +294,9 @@ class MasterWeightPrecision(Precision):
         with_grad = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         model_grads = [p.grad for p, _ in with_grad]
         master_grads = [m.grad for _, m in with_grad]
-        found_inf = torch.zeros(1, device=self.masters[0].device)
+        found_inf = self._found_inf.zero_()
         if master_grads:
-            inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=found_inf.device)
+            inv_scale = self._inv_scale.fill_(1.0 / self.scaler.scale)
             if self.foreach:
                 # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
                 torch._foreach_copy_(master_grads, model_grads)
@@ -285,7 +313,7 @@ class MasterWeightPrecision(Precision):
         if not overflow:
             optimizer.step()
             if self.foreach:
-                torch._foreach_copy_(self.params, [m.detach() for m in self.masters])
+                torch._foreach_copy_(self.params, self._master_data)
             else:
                 for p, m in zip(self.params, self.masters):
                     p.copy_(m)
@@ -324,7 +352,10 @@ class MasterWeightPrecision(Precision):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") == self.name and "scaler" in state:
+            static = None if self.scaler.dynamic else self.scaler.scale
             self.scaler.load_state_dict(state["scaler"])
+            if static is not None:  # a static --loss-scale on this command line wins
+                self.scaler.scale = static
 
 
 def build_precision(cfg, device: torch.device) -> Precision:

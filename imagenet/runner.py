@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 import torch.nn as nn
 
 from . import checkpoint as ckpt_io
@@ -145,8 +146,14 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     start = _starting_weights(cfg)
     if start is not None:
         load_weights_into(model, *start)
-    if cfg.sync_bn and ctx.distributed:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.sync_bn:
+        if not ctx.distributed:
+            logger.warning("=> --sync-bn applies to DDP only; ignored in %s mode", ctx.mode)
+        elif ctx.device.type != "cuda":
+            raise UserError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU kernels); drop it for "
+                            "gloo runs on CPUs")
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(ctx.device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -166,11 +173,22 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
 
     start_epoch, best_acc1 = 0, 0.0
     resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
+    if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
+        raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
+                        "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
     if resume_path:
         start_epoch, best_acc1 = _resume(resume_path, cfg, len(data.classes), model, optimizer, scheduler,
-                                         precision)
+                                         precision, ctx)
     if cfg.start_epoch is not None:
         start_epoch = cfg.start_epoch
+    if not cfg.evaluate and start_epoch >= cfg.epochs:
+        logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
+                    "further, or use -e to evaluate it)", start_epoch, cfg.epochs)
+        return {"best_acc1": best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0, "img_per_s": 0.0,
+                "last": {}}
+    # The schedule is a function of the iteration: start it where this epoch begins, also when
+    # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
+    _align_schedule(scheduler, start_epoch * iters)
 
     progress = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
     opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps,
@@ -196,7 +214,15 @@ def _starting_weights(cfg: Config) -> Optional[tuple]:
     return None
 
 
-def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision) -> tuple:
+def _align_schedule(scheduler, iteration: int) -> None:
+    scheduler.last_epoch = iteration
+    lrs = [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision, ctx) -> tuple:
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     arch = ckpt.get("arch", cfg.arch)
@@ -213,6 +239,8 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
                         "--resume continues the same run: to fine-tune from it use --weights")
     state = load_weights_into(model.module if hasattr(model, "module") else model, state, path)
     precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
+    if cfg.evaluate:  # evaluation needs the weights only
+        return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0))
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
         if "scheduler" in ckpt:
@@ -221,22 +249,32 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
         raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
                         "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
     precision.load_state_dict(ckpt.get("precision") or {})
-    ckpt_io.restore_rng(ckpt.get("rng"))
+    per_rank = ckpt.get("rng_per_rank") or []
+    if len(per_rank) == ctx.world_size:
+        ckpt_io.restore_rng(per_rank[ctx.rank])
+    else:
+        # Another world size than the saved run's: rank 0's state, and distinct streams per rank.
+        ckpt_io.restore_rng(ckpt.get("rng"))
+        if ctx.rank:
+            torch.manual_seed(torch.initial_seed() + ctx.rank)
     epoch, best = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0))
     logger.info("=> resumed %s: continuing at epoch %d (best Acc@1 so far %.3f)", path, epoch, best)
-    if epoch >= cfg.epochs:
-        logger.info("=> that checkpoint already finished %d of --epochs %d; nothing left to train", epoch, cfg.epochs)
     return epoch, best
 
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
            start_epoch: int, best_acc1: float) -> dict:
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if ctx.is_main:
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as fh:  # the resolved recipe
+            # reusable as --config: every key but the config file itself
+            yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "config"}, fh, sort_keys=False)
     run_start = time.perf_counter()
     last: dict = {}
     total_images = 0.0
     for epoch in range(start_epoch, cfg.epochs):
         epoch_start = time.perf_counter()
+        epoch_lr = optimizer.param_groups[0]["lr"]
         train_loader.sampler.set_epoch(epoch)
         train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts)
         val = validate(model, val_loader, criterion, precision, ctx, opts)
@@ -245,16 +283,17 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
         best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)
         is_best = val["val_acc1"] > best_acc1 or (ctx.is_main and not os.path.exists(best_path))
         best_acc1 = max(best_acc1, val["val_acc1"])
-        record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], **train, **val,
+        record = {"epoch": epoch, "lr": epoch_lr, "lr_end": optimizer.param_groups[0]["lr"], **train, **val,
                   "epoch_seconds": time.perf_counter() - epoch_start, "skipped_images": skipped,
                   "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
                   "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode,
                   "world_size": ctx.world_size}
         total_images += train["train_samples"]
+        rng = distributed.gather_objects(ckpt_io.capture_rng(), ctx)  # every rank's, for exact resume
         if ctx.is_main:
             # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
             ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch + 1, best_acc1, model, optimizer, scheduler,
-                                                      precision, data), cfg.output_dir, is_best)
+                                                      precision, data, rng), cfg.output_dir, is_best)
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
             if train["skipped_steps"]:
@@ -287,7 +326,7 @@ def _report_skipped(cfg, ctx, paths: list, epoch: int, total_images: int) -> int
 
 
 def _checkpoint_state(cfg, next_epoch: int, best_acc1: float, model, optimizer, scheduler, precision,
-                      data: DataBundle) -> dict:
+                      data: DataBundle, rng: list) -> dict:
     return {
         "format_version": ckpt_io.FORMAT_VERSION,
         "epoch": next_epoch,  # the epoch to run next, as the reference script stores it
@@ -299,7 +338,8 @@ def _checkpoint_state(cfg, next_epoch: int, best_acc1: float, model, optimizer, 
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "precision": precision.state_dict(),
-        "rng": ckpt_io.capture_rng(),
+        "rng": rng[0],
+        "rng_per_rank": rng,
         "config": cfg.to_dict(),
     }
 

@@ -158,7 +158,7 @@ def test_two_rank_ddp_run_end_to_end(dataset, tmp_path):
 
     # one checkpoint, written by rank 0 only (atomic write: no temp files left behind), that
     # loads into a plain torchvision ResNet-18 without the DDP 'module.' prefix
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pth.tar", "metrics.jsonl",
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pth.tar", "config.yaml", "metrics.jsonl",
                                                      "model_best.pth.tar"]
     ckpt = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
     assert ckpt["epoch"] == 1

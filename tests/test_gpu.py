@@ -104,3 +104,18 @@ def test_fp16_master_weights_track_fp32_as_closely_as_autocast_on_gpu():
 @cuda
 def test_bf16_autocast_is_supported_here():
     assert torch.cuda.is_bf16_supported()
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype):
+    """DataParallel's worker threads re-enter autocast with the thread default (fp16): bf16 must hold."""
+    torch.manual_seed(0)
+    model = create_model("resnet18", 10, small_stem=True).cuda()
+    prec = AutocastPrecision(dtype, "cuda")
+    model = prec.prepare_model(model)
+    seen = []
+    model.conv1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    net = nn.DataParallel(model, device_ids=[0, 1])
+    prec.forward(net, torch.randn(8, 3, 28, 28, device="cuda:0"))
+    assert len(seen) == 2 and set(seen) == {dtype}

@@ -221,3 +221,15 @@ def test_autocast_bf16_trains_close_to_fp32():
 def test_unwrap_sees_through_data_parallel():
     net = small_net()
     assert unwrap(nn.DataParallel(net)) is net
+
+
+def test_masters_are_the_exact_fp32_weights_and_batchnorm_is_never_rounded():
+    net = small_net()
+    net[1].running_var.fill_(1.0001)  # not representable in fp16
+    fp32 = {k: v.clone() for k, v in net.state_dict().items()}
+    prec = MasterWeightPrecision(LossScaler())
+    model = prec.prepare_model(net)
+    for name, m in zip(prec.names, prec.masters):
+        assert torch.equal(m, fp32[name]), name
+    assert torch.equal(model[1].running_var, fp32["1.running_var"])
+    assert torch.equal(model[1].weight, fp32["1.weight"])

@@ -123,3 +123,20 @@ def test_master_step_foreach_and_loop_agree():
     train(fast, small_net(), batches(3))
     train(slow, small_net(), batches(3))
     assert all(torch.equal(a, b) for a, b in zip(fast.masters, slow.masters))
+
+
+def test_evaluate_without_weights_is_refused(digits, tmp_path, capsys):
+    assert main(argv(digits, tmp_path, "-e")) == 2
+    assert "--evaluate needs weights" in capsys.readouterr().err
+
+
+def test_start_epoch_moves_the_schedule_and_config_yaml_round_trips(digits, tmp_path):
+    assert main(argv(digits, tmp_path, "--epochs", "3", "--lr-schedule", "step", "--lr-step", "1",
+                     "--start-epoch", "2")) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["epoch"] for r in rows] == [2]
+    assert rows[0]["lr"] == pytest.approx(0.02 * 0.1 ** 2)  # the schedule at epoch 2, not at 0
+    again = parse_config(["--config", str(tmp_path / "config.yaml")])
+    assert dataclasses.replace(again, config=None) == parse_config(argv(digits, tmp_path, "--epochs", "3",
+                                                                        "--lr-schedule", "step", "--lr-step",
+                                                                        "1", "--start-epoch", "2"))
