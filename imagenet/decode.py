@@ -44,7 +44,11 @@ def _draft(img: Image.Image, max_factor: float) -> float:
 
 
 def _to_tensor(img: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+    return torch.from_numpy(np.array(img, dtype=np.uint8, copy=True))  # one copy, writable
+
+
+def _rgb(img: Image.Image) -> Image.Image:
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 class TrainDecoder:
@@ -73,7 +77,7 @@ class TrainDecoder:
         w, h = img.size
         box = (min(round(left / f), w - 1), min(round(top / f), h - 1),
                min(max(round((left + width) / f), 1), w), min(max(round((top + height) / f), 1), h))
-        img = img.convert("RGB").crop(box).resize((self.size, self.size), Image.BILINEAR)
+        img = _rgb(img).crop(box).resize((self.size, self.size), Image.BILINEAR)
         if flip:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
         return _to_tensor(img)
@@ -100,7 +104,7 @@ class ValDecoder:
             new_w, new_h = int(self.resize * w / h), self.resize
         if self.draft:
             _draft(img, min(w / new_w, h / new_h))
-        img = img.convert("RGB").resize((new_w, new_h), Image.BILINEAR)
+        img = _rgb(img).resize((new_w, new_h), Image.BILINEAR)
         top = int(round((new_h - self.size) / 2.0))
         left = int(round((new_w - self.size) / 2.0))
         return _to_tensor(img.crop((left, top, left + self.size, top + self.size)))

@@ -40,7 +40,7 @@ class DeviceLoader:
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8 and images.dim() == 4:
             x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
-            x = torch.addcmul(self.shift, x, self.scale)
+            x = x.mul_(self.scale).add_(self.shift)  # in place: no third full-size tensor
             return x if self.channels_last else x.contiguous()
         if self.channels_last and images.dim() == 4:
             return images.contiguous(memory_format=torch.channels_last)

@@ -5,6 +5,7 @@
     python scripts/bench.py train --matrix                     # every precision x layout, one table
     CUDA_VISIBLE_DEVICES=0,1 python scripts/bench.py train ... # DataParallel (the trainer's choice)
     python -m multiproc scripts/bench.py train ...             # DDP, one process per GPU
+    python scripts/bench.py data DIR --workers 2                # input pipeline: classic vs fast
 
 Batch size is global (as in main.py). The data is generated once on the device, so the figure
 is the model step alone: forward, loss, backward, (all-reduce,) optimizer step, through the
@@ -131,6 +132,69 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
             "devices": ctx.n_devices, "batch": args.batch_size}
 
 
+def bench_data(args) -> int:
+    """Iterate the training loader of DIR with each pipeline; img/s side by side."""
+    from torch.utils.data import DataLoader
+
+    from imagenet.data import (IMAGENET_MEAN, IMAGENET_STD, DistributedSampler, build_datasets,
+                               collate_skipping)
+    from imagenet.prefetch import DeviceLoader
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {}
+    for pipeline in args.pipelines.split(","):
+        cfg = Config(data=args.dir, data_pipeline=pipeline, image_size=args.image_size, workers=args.workers,
+                     batch_size=args.batch_size)
+        validate(cfg)
+        try:
+            data = build_datasets(cfg, args.dir)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DeviceLoader(DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
+                                         num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
+                                         pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                                         prefetch_factor=4 if args.workers else None),
+                              device, True, IMAGENET_MEAN, IMAGENET_STD)
+        need = args.warmup + args.windows * args.batches
+        rates, seen = [], 0
+        epoch = 0
+        it = iter(loader)
+        t0 = None
+        count = 0
+        while len(rates) < args.windows:
+            try:
+                images, targets, _ = next(it)
+            except StopIteration:
+                epoch += 1
+                sampler.set_epoch(epoch)
+                it = iter(loader)
+                continue
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seen += 1
+            if seen == args.warmup:
+                t0, count = time.perf_counter(), 0
+            elif seen > args.warmup:
+                count += targets.numel()
+                if (seen - args.warmup) % args.batches == 0:
+                    now = time.perf_counter()
+                    rates.append(count / (now - t0))
+                    t0, count = now, 0
+        del it
+        results[pipeline] = rates
+        print(f"bench data: {pipeline:8s} median {statistics.median(rates):8.0f} img/s "
+              f"(windows {min(rates):.0f}..{max(rates):.0f}; {args.workers} workers, {need} batches of "
+              f"{args.batch_size})", flush=True)
+    if len(results) > 1 and "classic" in results:
+        base = statistics.median(results["classic"])
+        for name, rates in results.items():
+            print(f"  {name}: {statistics.median(rates) / base:.2f}x classic")
+    last = list(results)[-1]
+    print(f"{last} pipeline, {args.workers} workers: {statistics.median(results[last]):.0f} img/s")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -147,7 +211,18 @@ def main(argv=None) -> int:
     t.add_argument("--steps", type=int, default=20, help="steps per timed window")
     t.add_argument("--windows", type=int, default=5, help="timed windows; the median is reported")
     t.add_argument("--json", help="also write the rows to this file")
+    d = sub.add_parser("data", help="input-pipeline throughput (decode, crop, collate, to device)")
+    d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--pipelines", default="classic,fast", help="comma list of classic,fast")
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--image-size", type=int, default=224)
+    d.add_argument("--warmup", type=int, default=4, help="untimed batches (worker start-up)")
+    d.add_argument("--batches", type=int, default=8, help="batches per timed window")
+    d.add_argument("--windows", type=int, default=5)
     args = p.parse_args(argv)
+    if args.what == "data":
+        return bench_data(args)
     try:
         ctx = distributed.setup(Config(batch_size=args.batch_size))
     except UserError as e:

@@ -1,0 +1,108 @@
+"""The fast input pipeline: same pixels as torchvision's transforms, every batch once, normalised right."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision import transforms
+from torchvision.transforms import functional as F
+
+from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, collate_skipping
+from imagenet.decode import TrainDecoder, ValDecoder
+from imagenet.prefetch import DeviceLoader
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+    """A real-looking JPEG (smooth gradients plus texture), 451x300 like ImageNet's typical shapes."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:300, 0:451]
+    img = np.stack([(x * 255 / 451), (y * 255 / 300), ((x + y) % 64) * 4], axis=-1)
+    img = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+    path = tmp_path_factory.mktemp("photo") / "photo.JPEG"
+    Image.fromarray(img).save(path, quality=90)
+    return str(path)
+
+
+def reference(path):
+    return Image.open(path).convert("RGB")
+
+
+@pytest.mark.parametrize("params", [(20, 30, 200, 260), (0, 0, 300, 451), (100, 100, 70, 64), (5, 200, 290, 250)])
+@pytest.mark.parametrize("flip", [False, True])
+def test_train_decode_equals_torchvision_for_the_same_crop(photo, params, flip):
+    got = TrainDecoder(64, 0.08, 0.5, draft=False).decode(Image.open(photo), params, flip)
+    ref = F.resized_crop(reference(photo), *params, [64, 64])
+    if flip:
+        ref = F.hflip(ref)
+    assert got.dtype == torch.uint8 and got.shape == (64, 64, 3)
+    assert np.array_equal(got.numpy(), np.asarray(ref))
+
+
+@pytest.mark.parametrize("size, resize", [(64, 73), (224, 256), (32, 32)])
+def test_val_decode_equals_resize_then_center_crop(photo, size, resize):
+    got = ValDecoder(size, resize, draft=False)(photo)
+    ref = F.center_crop(F.resize(reference(photo), resize), size)
+    assert np.array_equal(got.numpy(), np.asarray(ref))
+
+
+def test_draft_decode_stays_within_a_few_levels(photo):
+    # Decoding at 1/2 scale inside the DCT, then resizing, approximates the full decode closely.
+    params = (0, 0, 300, 451)
+    exact = TrainDecoder(64, 0.08, 0.5, draft=False).decode(Image.open(photo), params, False).float()
+    fast = TrainDecoder(64, 0.08, 0.5, draft=True).decode(Image.open(photo), params, False).float()
+    assert (fast - exact).abs().mean() < 4.0  # of 255 levels
+
+
+def test_train_decoder_draws_crops_like_random_resized_crop(photo):
+    """Same torch seed -> same crop box and flip as torchvision's RandomResizedCrop + flip."""
+    torch.manual_seed(3)
+    got = TrainDecoder(48, 0.25, 0.5, draft=False)(photo)
+    torch.manual_seed(3)
+    tf = transforms.Compose([transforms.RandomResizedCrop(48, scale=(0.25, 1.0)), transforms.RandomHorizontalFlip(0.5)])
+    assert np.array_equal(got.numpy(), np.asarray(tf(reference(photo))))
+
+
+def test_device_loader_normalises_like_to_tensor_and_normalize(photo):
+    img = ValDecoder(32, 40, draft=False)(photo)
+    ref = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)(transforms.ToTensor()(
+        F.center_crop(F.resize(reference(photo), 40), 32)))
+    batch = [(img, 1, None), (img, 2, None)]
+    for channels_last in (False, True):
+        loader = DeviceLoader([collate_skipping(batch)], torch.device("cpu"), channels_last, IMAGENET_MEAN, IMAGENET_STD)
+        (images, targets, skipped), = list(loader)
+        assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
+        assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        torch.testing.assert_close(images[0], ref, rtol=0, atol=1e-5)
+        assert targets.tolist() == [1, 2] and skipped == []
+
+
+class _Numbered(torch.utils.data.Dataset):
+    def __len__(self):
+        return 37
+
+    def __getitem__(self, i):
+        return torch.full((4, 4, 3), i % 256, dtype=torch.uint8), i, None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_device_loader_yields_every_batch_exactly_once(device):
+    loader = DeviceLoader(DataLoader(_Numbered(), batch_size=5, collate_fn=collate_skipping, num_workers=2),
+                          torch.device(device), True, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255))
+    seen = []
+    for images, targets, _ in loader:
+        assert images.device.type == device
+        # normalisation with mean 0, std 1/255 gives back the raw value: check batch contents
+        assert torch.equal(images[:, 0, 0, 0].round().long().cpu(), targets.cpu() % 256)
+        seen += targets.cpu().tolist()
+    assert seen == list(range(37))
+    assert len(loader) == 8
+
+
+def test_unreadable_batch_passes_through_untouched():
+    empty = (torch.empty(0), torch.empty(0, dtype=torch.long), ["bad.jpg"])
+    (images, targets, skipped), = list(DeviceLoader([empty], torch.device("cpu"), False, IMAGENET_MEAN,
+                                                    IMAGENET_STD))
+    assert targets.numel() == 0 and skipped == ["bad.jpg"]
