@@ -124,6 +124,18 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         sync()
         rates.append(args.batch_size * args.steps / (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if ctx.device.type == "cuda" else 0.0
+    if args.profile and ctx.is_main:
+        # Where a step's time goes (host ops, kernels, copies), for the slow cases (DataParallel).
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(args.profile):
+                step()
+            sync()
+        key = "self_cuda_time_total" if ctx.device.type == "cuda" else "self_cpu_time_total"
+        print(f"profile of {args.profile} steps ({name}, {ctx.mode}), by {key}:")
+        print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
     del model, optimizer, precision
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -211,6 +223,7 @@ def main(argv=None) -> int:
     t.add_argument("--steps", type=int, default=20, help="steps per timed window")
     t.add_argument("--windows", type=int, default=5, help="timed windows; the median is reported")
     t.add_argument("--json", help="also write the rows to this file")
+    t.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps, print top ops")
     d = sub.add_parser("data", help="input-pipeline throughput (decode, crop, collate, to device)")
     d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
     d.add_argument("--workers", type=int, default=2)
