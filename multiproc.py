@@ -62,8 +62,8 @@ def parse_args(argv):
                    help="port on node 0; required with --nnodes > 1 (default: a free port)")
     p.add_argument("--log-dir", "--log_dir", default=".", metavar="D",
                    help="where GPU_<rank>.log files of the non-terminal ranks go (default .)")
-    p.add_argument("--grace-period", "--grace_period", type=float, default=10.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
+    p.add_argument("--grace-period", "--grace_period", type=float, default=60.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping (default 60: time for every rank to write its checkpoint)")
     p.add_argument("script", help="the training script, e.g. main.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script verbatim")
     return p.parse_args(argv)

@@ -95,6 +95,7 @@ class Config:
     # -- run control and output ----------------------------------------------------------
     output_dir: str = "."
     resume: str = ""  # a checkpoint path, or "auto" for OUTPUT_DIR/checkpoint.pth.tar if present
+    save_every_steps: int = 0  # also checkpoint every N training steps inside an epoch (0: per epoch only)
     evaluate: bool = False
     seed: Optional[int] = None
     deterministic: bool = False  # deterministic cuDNN algorithms (slower)
@@ -325,6 +326,7 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
     need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
     need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")
+    need(cfg.save_every_steps >= 0, f"--save-every-steps must be 0 or more, got {cfg.save_every_steps}")
     need(cfg.print_freq >= 1, f"--print-freq must be at least 1, got {cfg.print_freq}")
     need(cfg.start_epoch is None or 0 <= cfg.start_epoch < cfg.epochs,
          f"--start-epoch must be in [0, {cfg.epochs}), got {cfg.start_epoch}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -99,7 +100,12 @@ class SafeImageFolder(datasets.ImageFolder):
         classes = _class_dirs(directory)
         return classes, {c: i for i, c in enumerate(classes)}
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key):
+        # (index, seed) keys come from SeededSampler: augmentations depend on the sample and
+        # the epoch alone, not on which worker read it or what it read before.
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        if seed is not None:
+            torch.manual_seed(seed)
         path, target = self.samples[index]
         try:
             image = self.loader(path)
@@ -123,7 +129,8 @@ class SyntheticDataset(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key):
+        index = key[0] if isinstance(key, tuple) else key
         return self.images[index % len(self.images)], index % self.num_classes, None
 
 
@@ -136,6 +143,40 @@ def collate_skipping(batch: Sequence) -> tuple:
     images = torch.stack([g[0] for g in good])
     targets = torch.tensor([g[1] for g in good], dtype=torch.long)
     return images, targets, skipped
+
+
+class SeededSampler(Sampler):
+    """A rank's shuffled share of an epoch, as ``(index, augmentation_seed)`` pairs.
+
+    Shuffling is DistributedSampler's (a world of one is a single process, so every launch mode
+    sees the same global batches), without padding. The per-sample seed is a function of
+    (seed, epoch, index): a run resumed in the middle of an epoch (``set_start``) draws the same
+    crops and flips as one that never stopped, whatever the worker count.
+    """
+
+    def __init__(self, dataset, world_size: int, rank: int, seed: int):
+        self.inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                        drop_last=True)
+        self.seed = seed
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+        self.epoch = epoch
+        self.start = 0
+
+    def set_start(self, samples_done: int) -> None:
+        """Skip the first ``samples_done`` samples of this rank's share of the epoch."""
+        self.start = samples_done
+
+    def __iter__(self):
+        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
+        for idx in list(self.inner)[self.start:]:
+            yield idx, (base + idx) % (2 ** 63)
+
+    def __len__(self) -> int:
+        return max(len(self.inner) - self.start, 0)
 
 
 class ShardSampler(Sampler):
@@ -198,6 +239,13 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
     return DataBundle(train, val, classes, root)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGINT to the training process, which stops them after writing its
+    checkpoint (a scheduler or a terminal signals the whole process group at once)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def per_process_batch(batch_size: int, ctx) -> int:
     """``-b`` is global: each DDP rank takes its share (DataParallel splits inside the model)."""
     if ctx.distributed:
@@ -219,20 +267,18 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     if n_train // world < batch:
         raise UserError(f"the training set has {n_train} images, fewer than one batch of {batch} per "
                         f"process; lower -b/--batch-size (now {cfg.batch_size})")
-    # drop_last: no padding with repeated images, so a DDP epoch has as many global steps as a
-    # single-process epoch of the same global batch.
-    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=seed,
-                                       drop_last=True)
-    # Workers start afresh each epoch, seeded from the main process's RNG, so a resumed run
-    # draws the same augmentations as an uninterrupted one (persistent workers would not).
+    # No padding with repeated images: a DDP epoch has as many global steps as a single-process
+    # epoch of the same global batch. Augmentations are seeded per sample (SeededSampler), so
+    # workers may live across epochs and resume stays exact.
+    train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
-                  collate_fn=collate_skipping, persistent_workers=False)
+                  collate_fn=collate_skipping, persistent_workers=cfg.workers > 0,
+                  worker_init_fn=ignore_stop_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_sampler = ShardSampler(len(data.val), rank, world)
     # Validation draws no random numbers, so its workers may live across epochs.
-    val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False,
-                            **dict(common, persistent_workers=cfg.workers > 0))
+    val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     wrap = lambda loader: DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD)  # noqa: E731
     return wrap(train_loader), wrap(val_loader)

@@ -56,21 +56,31 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
 
 
 def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
-                    ctx: DistContext, epoch: int, opts: LoopOptions) -> dict:
-    """One pass over the training loader (device-ready batches); returns the reduced metrics."""
+                    ctx: DistContext, epoch: int, opts: LoopOptions, start_step: int = 0,
+                    stop: Callable[[], bool] = lambda: False,
+                    on_step: Optional[Callable[[int], None]] = None) -> dict:
+    """One pass over the training loader (device-ready batches); returns the reduced metrics.
+
+    ``start_step`` batches of this epoch were done before (the loader already skips them);
+    after each step ``on_step(steps_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()``
+    may end the epoch early (preemption); the result then says ``completed: False``.
+    """
     model.train()
     sums = DeviceSums(ctx.device)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
-    n = len(loader) if opts.max_steps is None else min(len(loader), opts.max_steps)
+    total = start_step + len(loader)
+    n = total if opts.max_steps is None else min(total, opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
     steps = skipped_steps = 0
     last_good = None
+    completed, done = True, start_step
     start = end = time.perf_counter()
-    for i, (images, targets, bad) in enumerate(loader):
+    for i, (images, targets, bad) in enumerate(loader, start=start_step):
         if i >= n:
             break
+        done = i + 1  # batches of this epoch consumed, the unreadable ones included
         skipped_paths += bad
         data_time.update(time.perf_counter() - end)
         weight = 1.0
@@ -110,6 +120,11 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
             elif ctx.is_main:
                 logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
+        if on_step is not None:
+            on_step(i + 1)
+        if i + 1 < n and stop():
+            completed = False
+            break
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - start
@@ -118,7 +133,8 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
             "train_samples": totals["count"], "steps": steps, "skipped_steps": skipped_steps,
             "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
-            "train_seconds": elapsed, "skipped_paths": skipped_paths}
+            "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
+            "steps_done": done}
 
 
 def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:

@@ -26,6 +26,7 @@ from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import create_model, load_weights_into, pretrained_state_dict, strip_prefix
 from .precision import build_precision, configure_tf32, describe
+from .preemption import Preempted, StopRequest
 
 logger = logging.getLogger("imagenet")
 
@@ -41,6 +42,9 @@ def main(argv: Optional[list] = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Preempted as e:
+        print(f"=> {e}", flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -171,16 +175,16 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     # Augmentation draws differ per rank (each rank sees other images anyway).
     torch.manual_seed(seed + ctx.rank)
 
-    start_epoch, best_acc1 = 0, 0.0
+    start_epoch, best_acc1, start_step = 0, 0.0, 0
     resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
     if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
         raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
     if resume_path:
-        start_epoch, best_acc1 = _resume(resume_path, cfg, len(data.classes), model, optimizer, scheduler,
-                                         precision, ctx)
+        start_epoch, best_acc1, start_step = _resume(resume_path, cfg, len(data.classes), model, optimizer,
+                                                     scheduler, precision, ctx)
     if cfg.start_epoch is not None:
-        start_epoch = cfg.start_epoch
+        start_epoch, start_step = cfg.start_epoch, 0
     if not cfg.evaluate and start_epoch >= cfg.epochs:
         logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
                     "further, or use -e to evaluate it)", start_epoch, cfg.epochs)
@@ -188,7 +192,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                 "last": {}}
     # The schedule is a function of the iteration: start it where this epoch begins, also when
     # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
-    _align_schedule(scheduler, start_epoch * iters)
+    _align_schedule(scheduler, start_epoch * iters + start_step)
 
     progress = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
     opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps,
@@ -198,7 +202,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         result.pop("skipped_paths")
         return result
     return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                  opts, start_epoch, best_acc1)
+                  opts, start_epoch, best_acc1, start_step)
 
 
 def _starting_weights(cfg: Config) -> Optional[tuple]:
@@ -240,7 +244,7 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     state = load_weights_into(model.module if hasattr(model, "module") else model, state, path)
     precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
     if cfg.evaluate:  # evaluation needs the weights only
-        return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0))
+        return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
         if "scheduler" in ckpt:
@@ -257,13 +261,35 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
         ckpt_io.restore_rng(ckpt.get("rng"))
         if ctx.rank:
             torch.manual_seed(torch.initial_seed() + ctx.rank)
-    epoch, best = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0))
-    logger.info("=> resumed %s: continuing at epoch %d (best Acc@1 so far %.3f)", path, epoch, best)
-    return epoch, best
+    epoch, best, step = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), int(ckpt.get("step_in_epoch", 0))
+    saved_batch = (ckpt.get("config") or {}).get("batch_size", cfg.batch_size)
+    if step and saved_batch != cfg.batch_size:
+        logger.warning("=> %s stopped mid-epoch at batch size %s; with -b %d the epoch restarts from its "
+                       "beginning", path, saved_batch, cfg.batch_size)
+        step = 0
+    logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, epoch,
+                f", step {step}" if step else "", best)
+    return epoch, best, step
 
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-           start_epoch: int, best_acc1: float) -> dict:
+           start_epoch: int, best_acc1: float, start_step: int) -> dict:
+    with StopRequest(ctx) as stop:
+        return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
+                       opts, start_epoch, best_acc1, start_step, stop)
+
+
+def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
+            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest) -> dict:
+    per_process = per_process_batch(cfg.batch_size, ctx)
+
+    def save(epoch: int, step: int, is_best: bool = False) -> None:
+        # Every rank takes part (RNG gather); rank 0 writes. step > 0: in the middle of `epoch`.
+        rng = distributed.gather_objects(ckpt_io.capture_rng(), ctx)
+        if ctx.is_main:
+            ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch, step, best_acc1, model, optimizer, scheduler,
+                                                      precision, data, rng), cfg.output_dir, is_best)
+
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if ctx.is_main:
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as fh:  # the resolved recipe
@@ -276,7 +302,17 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
         epoch_start = time.perf_counter()
         epoch_lr = optimizer.param_groups[0]["lr"]
         train_loader.sampler.set_epoch(epoch)
-        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts)
+        train_loader.sampler.set_start(start_step * per_process)
+        every = cfg.save_every_steps
+        on_step = (lambda done, e=epoch: save(e, done) if done % every == 0 else None) if every else None
+        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts,
+                                start_step=start_step, stop=stop.should_stop, on_step=on_step)
+        start_step = 0
+        if not train["completed"]:
+            save(epoch, train["steps_done"])
+            where = os.path.join(cfg.output_dir, ckpt_io.CHECKPOINT)
+            raise Preempted(stop.signum, f"stopped by {stop.name} in epoch {epoch} after step {train['steps_done']}; "
+                            f"checkpoint written to {where}: run the same command with --resume auto to continue")
         val = validate(model, val_loader, criterion, precision, ctx, opts)
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
                                   len(data.train) + len(data.val))
@@ -289,11 +325,9 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
                   "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode,
                   "world_size": ctx.world_size}
         total_images += train["train_samples"]
-        rng = distributed.gather_objects(ckpt_io.capture_rng(), ctx)  # every rank's, for exact resume
+        # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
+        save(epoch + 1, 0, is_best)
         if ctx.is_main:
-            # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
-            ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch + 1, best_acc1, model, optimizer, scheduler,
-                                                      precision, data, rng), cfg.output_dir, is_best)
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
             if train["skipped_steps"]:
@@ -325,11 +359,12 @@ def _report_skipped(cfg, ctx, paths: list, epoch: int, total_images: int) -> int
     return count
 
 
-def _checkpoint_state(cfg, next_epoch: int, best_acc1: float, model, optimizer, scheduler, precision,
+def _checkpoint_state(cfg, epoch: int, step: int, best_acc1: float, model, optimizer, scheduler, precision,
                       data: DataBundle, rng: list) -> dict:
     return {
         "format_version": ckpt_io.FORMAT_VERSION,
-        "epoch": next_epoch,  # the epoch to run next, as the reference script stores it
+        "epoch": epoch,  # the epoch to run next (or to finish), as the reference script stores it
+        "step_in_epoch": step,  # batches of that epoch already trained (mid-epoch checkpoints)
         "arch": cfg.arch,
         "num_classes": len(data.classes),
         "classes": list(data.classes),

@@ -1,0 +1,112 @@
+"""Preemption and mid-epoch resume: SIGTERM -> checkpoint -> --resume auto continues bit-exactly."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagenet import prepare
+from imagenet.runner import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    prepare.export_mnist5k(str(root), limit_per_class=12)  # 120 train images: 15 steps of 8
+    return str(root)
+
+
+def args(data, out, *extra):
+    return [data, "-a", "resnet18", "-b", "8", "-j", "2", "--image-size", "16", "--val-resize", "16", "-p", "1",
+            "--seed", "0", "--lr", "0.02", "--epochs", "2", "--output-dir", str(out), *extra]
+
+
+def weights(out):
+    return torch.load(Path(out) / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+
+
+def assert_same_run(a, b):
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+
+
+@pytest.fixture(scope="module")
+def straight(digits, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    assert main(args(digits, out)) == 0
+    return weights(out)
+
+
+def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, monkeypatch):
+    # Stop the first run right after a mid-epoch checkpoint at step 5 of epoch 1, as a kill -9 would.
+    from imagenet import engine
+
+    real = engine.train_one_epoch
+
+    def crash_after_save(*a, **k):
+        on_step = k["on_step"]
+
+        def hook(done):
+            on_step(done)
+            if a[7] == 1 and done == 5:
+                raise KeyboardInterrupt
+        return real(*a, **dict(k, on_step=hook))
+    monkeypatch.setattr("imagenet.runner.train_one_epoch", crash_after_save)
+    assert main(args(digits, tmp_path, "--save-every-steps", "5")) == 130
+    ckpt = weights(tmp_path)
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 5)
+    monkeypatch.undo()
+    assert main(args(digits, tmp_path, "--resume", "auto")) == 0
+    assert_same_run(straight, weights(tmp_path))
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_matches_a_straight_run(digits, straight, tmp_path):
+    cmd = [sys.executable, "main.py", *args(digits, tmp_path)]
+    # the same thread count as the in-process straight run: float sums must happen in one order
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # wait until epoch 0 is under way
+        lines.append(line)
+        if line.startswith("Epoch: [0][ 3/"):
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            break
+    out = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - sent < 60
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + out
+    assert "stopped by SIGTERM" in out and "--resume auto" in out
+    ckpt = weights(tmp_path)
+    assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 15
+    assert main(args(digits, tmp_path, "--resume", "auto")) == 0
+    assert_same_run(straight, weights(tmp_path))
+
+
+def test_sigterm_through_multiproc_stops_every_rank_with_a_checkpoint(digits, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "multiproc", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+           "main.py", *args(digits, tmp_path, "--dist-backend", "gloo", "--epochs", "20")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("Epoch: [0][ 2/"):
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            break
+    out = proc.communicate(timeout=90)[0]
+    assert time.monotonic() - sent < 60
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM" in out, out
+    ckpt = weights(tmp_path)
+    assert ckpt["step_in_epoch"] > 0 and len(ckpt["rng_per_rank"]) == 2
