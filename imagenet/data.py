@@ -278,7 +278,6 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_sampler = ShardSampler(len(data.val), rank, world)
-    # Validation draws no random numbers, so its workers may live across epochs.
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
-    wrap = lambda loader: DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD)  # noqa: E731
-    return wrap(train_loader), wrap(val_loader)
+    return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD)
+                 for loader in (train_loader, val_loader))

@@ -172,7 +172,8 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         _banner(cfg, ctx, data, model, precision, source)
     model = distributed.wrap(model, ctx)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
-    # Augmentation draws differ per rank (each rank sees other images anyway).
+    # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
+    # from here on (none in a plain ResNet) gets a stream of its own on each rank.
     torch.manual_seed(seed + ctx.rank)
 
     start_epoch, best_acc1, start_step = 0, 0.0, 0
