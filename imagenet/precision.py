@@ -108,9 +108,18 @@ class LossScaler:
 
 
 class Precision:
-    """float32 training; the base of the other modes (they override what differs)."""
+    """float32 training; the base of the other modes (they override what differs).
+
+    ``clip_norm``: clip the global L2 norm of the *unscaled* gradients to this before each
+    step (every mode unscales first, so the threshold means the same in fp32, fp16 and amp).
+    """
 
     name = "fp32"
+    clip_norm: Optional[float] = None
+
+    def _clip(self, params) -> None:
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_norm)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Convert a fresh (unwrapped) float32 model for this mode; call before DP/DDP wrapping."""
@@ -136,6 +145,7 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply the gradients (unless they overflowed) and clear them; True if weights changed."""
+        self._clip(_optimizer_params(optimizer))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return True
@@ -191,6 +201,9 @@ class AutocastPrecision(Precision):
         if not self.scaler.is_enabled():
             return super().step(optimizer)
         before = self.scaler.get_scale()
+        if self.clip_norm is not None:
+            self.scaler.unscale_(optimizer)  # clip the true gradients; step() knows they're unscaled
+            self._clip(_optimizer_params(optimizer))
         self.scaler.step(optimizer)
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -311,6 +324,7 @@ class MasterWeightPrecision(Precision):
                 m.grad = None
         overflow = bool(found_inf.item())  # the one host sync per step, to decide the skip
         if not overflow:
+            self._clip([m for m in self.masters if m.grad is not None])
             optimizer.step()
             if self.foreach:
                 torch._foreach_copy_(self.params, self._master_data)
@@ -358,8 +372,18 @@ class MasterWeightPrecision(Precision):
                 self.scaler.scale = static
 
 
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
 def build_precision(cfg, device: torch.device) -> Precision:
     """The precision object for ``cfg`` on ``device``; raises UserError if it can't run there."""
+    precision = _build_precision(cfg, device)
+    precision.clip_norm = cfg.clip_grad_norm
+    return precision
+
+
+def _build_precision(cfg, device: torch.device) -> Precision:
     from .config import static_loss_scale  # config is below us in the data flow
     if cfg.fp16:
         static = static_loss_scale(cfg)

@@ -233,3 +233,26 @@ def test_masters_are_the_exact_fp32_weights_and_batchnorm_is_never_rounded():
         assert torch.equal(m, fp32[name]), name
     assert torch.equal(model[1].running_var, fp32["1.running_var"])
     assert torch.equal(model[1].weight, fp32["1.weight"])
+
+
+def test_gradient_clipping_acts_on_unscaled_gradients_in_every_mode():
+    """Clipping after unscaling: the masters path with a power-of-two scale clips exactly as fp32."""
+    data = batches(3)
+
+    def clipped(prec):
+        prec.clip_norm = 0.05
+        model = prec.prepare_model(small_net())
+        opt = torch.optim.SGD(prec.param_groups([{"params": list(model.parameters())}]), lr=1.0)
+        before = [p.detach().clone() for p in getattr(prec, "masters", None) or model.parameters()]
+        x, y = data[0]
+        prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
+        assert prec.step(opt)
+        after = getattr(prec, "masters", None) or list(model.parameters())
+        return torch.cat([(a.detach() - b).flatten() for a, b in zip(after, before)])
+
+    ref = clipped(Precision())
+    assert ref.norm().item() == pytest.approx(0.05, rel=1e-4)  # lr 1: the update is the clipped gradient
+    exact = clipped(MasterWeightPrecision(LossScaler(init_scale=1024.0, dynamic=False), model_dtype=torch.float32))
+    assert torch.equal(exact, ref)
+    amp = clipped(AutocastPrecision(torch.float16, "cpu", init_scale=1024.0))
+    assert amp.norm().item() == pytest.approx(0.05, rel=1e-3)

@@ -108,7 +108,8 @@ def test_bf16_on_a_gpu_without_support_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("flags", [["--fp16", "--loss-scale", "0"], ["--fp16", "--loss-scale", "abc"],
                                    ["--fp16", "--loss-scale", "-8"], ["--fp16", "--amp"],
                                    ["--amp", "--amp-dtype", "float8"], ["--loss-scale", "128"],
-                                   ["--amp", "--loss-scale", "128"]])
+                                   ["--amp", "--loss-scale", "128"], ["--clip-grad-norm", "0"],
+                                   ["--clip-grad-norm", "inf"]])
 def test_bad_precision_flags_exit_2(flags, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
