@@ -188,12 +188,17 @@ def exit_status(returncode):
 
 
 def signal_all(procs, sig):
-    """Send ``sig`` to the process group of every child still running."""
+    """Send ``sig`` to every child still running: SIGKILL to its whole process group (its
+    DataLoader workers too), any other signal to the child alone, which may stop gracefully
+    (finish the step, write a checkpoint) and end its workers itself."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:  # exited between poll() and killpg()
+                if sig == signal.SIGKILL:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+            except ProcessLookupError:  # exited between poll() and the kill
                 pass
 
 

@@ -68,6 +68,7 @@ class Config:
     no_bn_weight_decay: bool = False  # exempt BatchNorm weights/biases and all biases from decay
     label_smoothing: float = 0.0
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the (unscaled) gradients per step
+    model_ema: Optional[float] = None  # keep an fp32 moving average of the weights with this decay per step
     lr_schedule: str = "step"  # step: x lr_gamma every lr_step epochs; cosine: to 0 at the end
     lr_step: int = 30  # epochs between decays of the step schedule
     lr_gamma: float = 0.1
@@ -313,6 +314,8 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg, name)
         need(math.isfinite(value), f"--{name.replace('_', '-')} must be a finite number, got {value}")
     need(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    need(cfg.model_ema is None or 0 < cfg.model_ema < 1,
+         f"--model-ema is the per-step decay, in (0, 1) (e.g. 0.9998), got {cfg.model_ema}")
     need(cfg.clip_grad_norm is None or (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm > 0),
          f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm}")
     need(cfg.momentum >= 0, f"--momentum must be 0 or more, got {cfg.momentum}")

@@ -239,10 +239,10 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
     return DataBundle(train, val, classes, root)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGINT to the training process, which stops them after writing its
-    checkpoint (a scheduler or a terminal signals the whole process group at once)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_interrupt(worker_id: int) -> None:
+    """Workers leave Ctrl-C (which a terminal sends to the whole process group) to the training
+    process, which stops them after writing its checkpoint. SIGTERM stays deadly: it is how
+    the DataLoader ends workers that do not stop by themselves."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -273,7 +273,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_skipping, persistent_workers=cfg.workers > 0,
-                  worker_init_fn=ignore_stop_signals if cfg.workers > 0 else None)
+                  worker_init_fn=ignore_interrupt if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)

@@ -58,12 +58,13 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
 def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
                     ctx: DistContext, epoch: int, opts: LoopOptions, start_step: int = 0,
                     stop: Callable[[], bool] = lambda: False,
-                    on_step: Optional[Callable[[int], None]] = None) -> dict:
+                    on_step: Optional[Callable[[int], None]] = None, ema=None) -> dict:
     """One pass over the training loader (device-ready batches); returns the reduced metrics.
 
     ``start_step`` batches of this epoch were done before (the loader already skips them);
     after each step ``on_step(steps_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()``
-    may end the epoch early (preemption); the result then says ``completed: False``.
+    may end the epoch early (preemption); the result then says ``completed: False``. ``ema``
+    (an :class:`imagenet.ema.ModelEma`) follows every step that changed the weights.
     """
     model.train()
     sums = DeviceSums(ctx.device)
@@ -84,7 +85,9 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         skipped_paths += bad
         data_time.update(time.perf_counter() - end)
         weight = 1.0
-        if targets.numel() == 0:  # every image of this batch was unreadable
+        # Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
+        # when the last feature map is 1x1.
+        if targets.numel() == 0 or (targets.numel() == 1 and bad):
             if not ctx.distributed:
                 continue
             # Other ranks wait for this rank's gradients: take part with a zero-weight batch.
@@ -97,6 +100,8 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         precision.backward(loss)
         if not precision.step(optimizer):
             skipped_steps += 1
+        elif ema is not None:
+            ema.update()
         if steps == 0:
             with warnings.catch_warnings():
                 # A skipped (overflowing) first step makes torch warn that the schedule runs
@@ -153,7 +158,7 @@ def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) ->
 
 @torch.no_grad()
 def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
-             opts: LoopOptions) -> dict:
+             opts: LoopOptions, name: str = "") -> dict:
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model.
     net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -184,7 +189,7 @@ def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: Dis
         bar.close()
     totals = sums.totals(ctx, all_reduce_sum)
     if ctx.is_main:
-        logger.info(f" * Acc@1 {totals['acc1']:.3f} Acc@5 {totals['acc5']:.3f}")
+        logger.info(f" * Acc@1 {totals['acc1']:.3f} Acc@5 {totals['acc5']:.3f}" + (f" ({name})" if name else ""))
     return {"val_loss": totals["loss"], "val_acc1": totals["acc1"], "val_acc5": totals["acc5"],
             "val_samples": totals["count"], "skipped_paths": skipped_paths}
 

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from typing import Optional
 
 import numpy as np
@@ -25,7 +26,8 @@ from .data import DataBundle, build_datasets, build_loaders, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import create_model, load_weights_into, pretrained_state_dict, strip_prefix
-from .precision import build_precision, configure_tf32, describe
+from .ema import ModelEma
+from .precision import Precision, build_precision, configure_tf32, describe
 from .preemption import Preempted, StopRequest
 
 logger = logging.getLogger("imagenet")
@@ -48,6 +50,11 @@ def main(argv: Optional[list] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        # A bug, not a user error: show it, and return so the interpreter can end the data
+        # workers (an exception escaping main could leave them waiting).
+        traceback.print_exc()
+        return 1
 
 
 def _setup_logging(ctx: distributed.DistContext) -> None:
@@ -170,6 +177,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
     if ctx.is_main:
         _banner(cfg, ctx, data, model, precision, source)
+    ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
     model = distributed.wrap(model, ctx)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
     # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
@@ -183,7 +191,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
     if resume_path:
         start_epoch, best_acc1, start_step = _resume(resume_path, cfg, len(data.classes), model, optimizer,
-                                                     scheduler, precision, ctx)
+                                                     scheduler, precision, ctx, ema)
     if cfg.start_epoch is not None:
         start_epoch, start_step = cfg.start_epoch, 0
     if not cfg.evaluate and start_epoch >= cfg.epochs:
@@ -203,7 +211,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         result.pop("skipped_paths")
         return result
     return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                  opts, start_epoch, best_acc1, start_step)
+                  opts, start_epoch, best_acc1, start_step, ema)
 
 
 def _starting_weights(cfg: Config) -> Optional[tuple]:
@@ -227,7 +235,7 @@ def _align_schedule(scheduler, iteration: int) -> None:
     scheduler._last_lr = lrs
 
 
-def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision, ctx) -> tuple:
+def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision, ctx, ema) -> tuple:
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     arch = ckpt.get("arch", cfg.arch)
@@ -254,6 +262,12 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
         raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
                         "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
     precision.load_state_dict(ckpt.get("precision") or {})
+    if ema is not None:
+        if "state_dict_ema" in ckpt:
+            ema.load_state_dict(ckpt["state_dict_ema"], int(ckpt.get("ema_updates", 0)))
+        else:
+            logger.info("=> %s holds no weight average; --model-ema starts averaging from its weights", path)
+            ema.load_state_dict(precision.model_state_dict(model), 0)
     per_rank = ckpt.get("rng_per_rank") or []
     if len(per_rank) == ctx.world_size:
         ckpt_io.restore_rng(per_rank[ctx.rank])
@@ -274,14 +288,14 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
 
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-           start_epoch: int, best_acc1: float, start_step: int) -> dict:
+           start_epoch: int, best_acc1: float, start_step: int, ema) -> dict:
     with StopRequest(ctx) as stop:
         return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                       opts, start_epoch, best_acc1, start_step, stop)
+                       opts, start_epoch, best_acc1, start_step, stop, ema)
 
 
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest) -> dict:
+            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema) -> dict:
     per_process = per_process_batch(cfg.batch_size, ctx)
 
     def save(epoch: int, step: int, is_best: bool = False) -> None:
@@ -289,7 +303,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         rng = distributed.gather_objects(ckpt_io.capture_rng(), ctx)
         if ctx.is_main:
             ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch, step, best_acc1, model, optimizer, scheduler,
-                                                      precision, data, rng), cfg.output_dir, is_best)
+                                                      precision, data, rng, ema), cfg.output_dir, is_best)
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if ctx.is_main:
@@ -307,7 +321,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         every = cfg.save_every_steps
         on_step = (lambda done, e=epoch: save(e, done) if done % every == 0 else None) if every else None
         train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts,
-                                start_step=start_step, stop=stop.should_stop, on_step=on_step)
+                                start_step=start_step, stop=stop.should_stop, on_step=on_step, ema=ema)
         start_step = 0
         if not train["completed"]:
             save(epoch, train["steps_done"])
@@ -315,6 +329,10 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             raise Preempted(stop.signum, f"stopped by {stop.name} in epoch {epoch} after step {train['steps_done']}; "
                             f"checkpoint written to {where}: run the same command with --resume auto to continue")
         val = validate(model, val_loader, criterion, precision, ctx, opts)
+        if ema is not None:  # the average is an fp32 model: evaluate it in fp32
+            val_ema = validate(ema.model, val_loader, criterion, Precision(), ctx, opts, name="weight average")
+            val["skipped_paths"] += val_ema.pop("skipped_paths")
+            val.update({f"{k}_ema": v for k, v in val_ema.items() if k != "val_samples"})
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
                                   len(data.train) + len(data.val))
         best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)
@@ -361,8 +379,10 @@ def _report_skipped(cfg, ctx, paths: list, epoch: int, total_images: int) -> int
 
 
 def _checkpoint_state(cfg, epoch: int, step: int, best_acc1: float, model, optimizer, scheduler, precision,
-                      data: DataBundle, rng: list) -> dict:
+                      data: DataBundle, rng: list, ema) -> dict:
+    extra = {"state_dict_ema": ema.state_dict(), "ema_updates": ema.updates} if ema is not None else {}
     return {
+        **extra,
         "format_version": ckpt_io.FORMAT_VERSION,
         "epoch": epoch,  # the epoch to run next (or to finish), as the reference script stores it
         "step_in_epoch": step,  # batches of that epoch already trained (mid-epoch checkpoints)

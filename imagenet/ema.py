@@ -1,0 +1,56 @@
+"""Exponential moving average of the weights (``--model-ema DECAY``), kept in float32.
+
+After every optimizer step that changed the weights, ``ema = d * ema + (1 - d) * w`` for every
+parameter and floating-point buffer (BatchNorm statistics), with one multi-tensor lerp. In fp16
+mode ``w`` is the fp32 master, not the rounded fp16 copy. The decay warms up as
+``min(d, (1 + n) / (10 + n))`` over the first updates, so a short run's average is not
+dominated by the random initialisation. The average is a plain fp32 model of the same
+architecture: validated every epoch and saved as ``state_dict_ema`` (loadable into torchvision).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from .precision import Precision, unwrap
+
+
+class ModelEma:
+    """The averaged model and the tensors it follows."""
+
+    def __init__(self, model: nn.Module, precision: Precision, decay: float):
+        net = unwrap(model)
+        self.decay = decay
+        self.updates = 0
+        self.model = copy.deepcopy(net).float().eval()
+        self.model.load_state_dict(precision.model_state_dict(net))  # exact fp32 (masters in fp16 mode)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        masters = getattr(precision, "masters", None)
+        sources = list(masters) if masters else list(net.parameters())
+        self._dst = [p.detach() for p in self.model.parameters()]
+        self._src = [p.detach() for p in sources]
+        buffers = list(zip(self.model.buffers(), net.buffers()))
+        self._dst_buf = [d for d, s in buffers if d.is_floating_point()]
+        self._src_buf = [s for d, s in buffers if d.is_floating_point()]
+        self._counters = [(d, s) for d, s in buffers if not d.is_floating_point()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
+        if self._dst_buf:
+            torch._foreach_lerp_(self._dst_buf, [s.float() for s in self._src_buf], 1.0 - d)
+        for dst, src in self._counters:
+            dst.copy_(src)
+
+    def state_dict(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict, updates: int) -> None:
+        self.model.load_state_dict(state)
+        self.updates = updates

@@ -1,0 +1,71 @@
+"""--model-ema: the average follows the fp32 weights, is validated, checkpointed and resumed exactly."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from imagenet import prepare
+from imagenet.ema import ModelEma
+from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
+from imagenet.runner import main
+from tests.test_precision import batches, small_net, train
+
+
+def test_average_follows_the_weights_with_the_warmed_up_decay():
+    prec = Precision()
+    model = prec.prepare_model(small_net())
+    ema = ModelEma(model, prec, decay=0.5)
+    start = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()  # first update: d = min(0.5, 2/11)
+    d = 2 / 11
+    for e, s in zip(ema.model.parameters(), start):
+        torch.testing.assert_close(e, d * s + (1 - d) * (s + 1))
+
+
+def test_fp16_average_follows_the_fp32_masters_not_the_rounded_copy():
+    prec = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
+    model, opt, _ = train(prec, small_net(), batches(1))
+    ema = ModelEma(model, prec, decay=0.9)
+    for e, m in zip(ema.model.parameters(), prec.masters):
+        assert e.dtype == torch.float32 and torch.equal(e, m)
+    assert all(b.dtype == torch.float32 for b in ema.model.buffers() if b.is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    prepare.export_mnist5k(str(root), limit_per_class=8)
+    return str(root)
+
+
+def argv(data, out, *extra):
+    return [data, "-a", "resnet18", "-b", "16", "-j", "0", "--image-size", "16", "--val-resize", "16", "-p", "100",
+            "--seed", "0", "--lr", "0.02", "--model-ema", "0.9", "--output-dir", str(out), *extra]
+
+
+def test_average_is_validated_checkpointed_and_resumed_exactly(digits, tmp_path, capsys):
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    assert main(argv(digits, straight, "--epochs", "2")) == 0
+    assert "(weight average)" in capsys.readouterr().out
+    row = json.loads(open(straight / "metrics.jsonl").readlines()[-1])
+    assert {"val_acc1_ema", "val_acc5_ema", "val_loss_ema"} <= set(row)
+    assert main(argv(digits, resumed, "--epochs", "1")) == 0
+    assert main(argv(digits, resumed, "--epochs", "2", "--resume", "auto")) == 0
+    a = torch.load(straight / "checkpoint.pth.tar", weights_only=True)
+    b = torch.load(resumed / "checkpoint.pth.tar", weights_only=True)
+    assert a["ema_updates"] == b["ema_updates"] > 0
+    for k, v in a["state_dict_ema"].items():
+        assert torch.equal(v, b["state_dict_ema"][k]), k
+    torchvision.models.resnet18(num_classes=10).load_state_dict(a["state_dict_ema"])
+
+
+@pytest.mark.parametrize("decay", ["0", "1", "1.5"])
+def test_bad_decay_is_refused(decay, capsys):
+    assert main(["--model-ema", decay]) == 2
+    assert "--model-ema" in capsys.readouterr().err
