@@ -40,6 +40,8 @@ class Config:
     val_resize: int = 256  # validation images are resized to this (shorter side), then center-cropped
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound (fraction of the image)
     hflip: float = 0.5  # probability of a horizontal flip in training
+    auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment (torchvision's)
+    random_erase: float = 0.0  # probability of RandomErasing a rectangle of a training image
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
     no_jpeg_draft: bool = False  # fast pipeline: never decode JPEGs at reduced DCT scale
@@ -122,7 +124,8 @@ class Config:
 # Flags whose CLI spelling differs from the field name or that need special argparse handling.
 _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq": ["-p"],
           "evaluate": ["-e"], "weight_decay": ["--wd"]}
-_CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"), "lr_schedule": ("step", "cosine"),
+_CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
+            "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc")}
 _HELP = {
@@ -309,6 +312,7 @@ def validate(cfg: Config) -> None:
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
     for name in ("lr", "momentum", "weight_decay", "label_smoothing", "warmup_epochs", "lr_gamma",
                  "min_crop_scale", "hflip", "max_bad_fraction", "initial_loss_scale"):
         value = getattr(cfg, name)

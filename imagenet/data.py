@@ -192,11 +192,21 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def train_transform(image_size: int, min_scale: float, hflip: float):
+def augment_policy(name: str):
+    """torchvision's learned/random augmentation policies, on PIL images (None for 'none')."""
+    return {"none": None, "randaugment": transforms.RandAugment, "trivialaugment": transforms.TrivialAugmentWide,
+            "autoaugment": transforms.AutoAugment}[name]() if name != "none" else None
+
+
+def train_transform(image_size: int, min_scale: float, hflip: float, policy: str = "none", erase: float = 0.0):
     steps = [transforms.RandomResizedCrop(image_size, scale=(min_scale, 1.0))]
     if hflip > 0:
         steps.append(transforms.RandomHorizontalFlip(hflip))
+    if policy != "none":
+        steps.append(augment_policy(policy))
     steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if erase > 0:
+        steps.append(transforms.RandomErasing(erase, value=0))  # 0 after Normalize: the mean colour
     return transforms.Compose(steps)
 
 
@@ -229,10 +239,14 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
     classes = check_layout(root)
     if cfg.data_pipeline == "fast":
         draft = not cfg.no_jpeg_draft
-        train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft)
+        # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
+        erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
+                 if cfg.random_erase > 0 else None)
+        train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft,
+                                augment=augment_policy(cfg.auto_augment), erase=erase)
         val_tf, loader = ValDecoder(cfg.image_size, cfg.val_resize, draft=draft), path_identity
     else:
-        train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip)
+        train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip, cfg.auto_augment, cfg.random_erase)
         val_tf, loader = val_transform(cfg.image_size, cfg.val_resize), default_loader
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)

@@ -52,13 +52,19 @@ def _rgb(img: Image.Image) -> Image.Image:
 
 
 class TrainDecoder:
-    """Path -> RandomResizedCrop(size, scale) + horizontal flip, as uint8 HWC."""
+    """Path -> RandomResizedCrop(size, scale) + horizontal flip (+ a policy, + erasing), as uint8 HWC.
 
-    def __init__(self, size: int, min_scale: float, hflip: float, draft: bool = True):
+    ``augment``: a PIL -> PIL transform applied after the flip (RandAugment and friends);
+    ``erase``: a transform on the uint8 CHW tensor (RandomErasing with the mean pixel as value).
+    """
+
+    def __init__(self, size: int, min_scale: float, hflip: float, draft: bool = True, augment=None, erase=None):
         self.size = size
         self.scale = (min_scale, 1.0)
         self.hflip = hflip
         self.draft = draft
+        self.augment = augment
+        self.erase = erase
 
     def crop_params(self, img: Image.Image) -> tuple:
         """(top, left, height, width) drawn from the torch RNG as torchvision draws them."""
@@ -80,7 +86,12 @@ class TrainDecoder:
         img = _rgb(img).crop(box).resize((self.size, self.size), Image.BILINEAR)
         if flip:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return _to_tensor(img)
+        if self.augment is not None:
+            img = self.augment(img)
+        out = _to_tensor(img)
+        if self.erase is not None:
+            out = self.erase(out.permute(2, 0, 1)).permute(1, 2, 0).contiguous()
+        return out
 
 
 class ValDecoder:

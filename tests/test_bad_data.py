@@ -161,7 +161,8 @@ def corpus(tmp_path_factory):
 
 def _cfg(pipeline: str, draft: bool = True) -> SimpleNamespace:
     return SimpleNamespace(dummy=False, data_pipeline=pipeline, no_jpeg_draft=not draft, image_size=SIZE,
-                           min_crop_scale=0.08, hflip=0.5, val_resize=RESIZE)
+                           min_crop_scale=0.08, hflip=0.5, val_resize=RESIZE,
+                           auto_augment="none", random_erase=0.0)
 
 
 PIPELINES = [("fast", True), ("fast", False), ("classic", True)]

@@ -155,7 +155,8 @@ def test_check_layout_accepts_images_in_nested_folders(tmp_path):
 
 def _cfg(**over):
     base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0,
-                data_pipeline="fast", no_jpeg_draft=False, channels_last=False)
+                data_pipeline="fast", no_jpeg_draft=False, channels_last=False, auto_augment="none",
+                random_erase=0.0)
     base.update(over)
     return SimpleNamespace(**base)
 

@@ -106,3 +106,28 @@ def test_unreadable_batch_passes_through_untouched():
     (images, targets, skipped), = list(DeviceLoader([empty], torch.device("cpu"), False, IMAGENET_MEAN,
                                                     IMAGENET_STD))
     assert targets.numel() == 0 and skipped == ["bad.jpg"]
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+def test_augment_policies_run_in_both_pipelines_and_are_seeded_per_sample(photo, policy):
+    from imagenet.data import augment_policy, train_transform
+    fast = TrainDecoder(32, 0.5, 0.5, draft=False, augment=augment_policy(policy))
+    torch.manual_seed(7)
+    a = fast(photo)
+    torch.manual_seed(7)
+    b = fast(photo)
+    assert a.shape == (32, 32, 3) and a.dtype == torch.uint8 and torch.equal(a, b)
+    classic = train_transform(32, 0.5, 0.5, policy, erase=0.5)(reference(photo))
+    assert classic.shape == (3, 32, 32)
+
+
+def test_random_erasing_on_uint8_paints_the_mean_colour(photo):
+    erase = transforms.RandomErasing(1.0, value=[round(255 * m) for m in IMAGENET_MEAN])
+    out = TrainDecoder(32, 1.0, 0.0, draft=False, erase=erase)(photo)
+    mean = torch.tensor([round(255 * m) for m in IMAGENET_MEAN], dtype=torch.uint8)
+    painted = (out == mean).all(dim=-1)
+    assert painted.sum() >= 0.02 * 32 * 32  # RandomErasing's smallest area
+    # after normalisation on the device, the painted pixels are ~0, as in the classic pipeline
+    (x, _, _), = list(DeviceLoader([collate_skipping([(out, 0, None)])], torch.device("cpu"), False,
+                                   IMAGENET_MEAN, IMAGENET_STD))
+    assert x[0][:, painted].abs().max() < 0.02

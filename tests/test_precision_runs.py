@@ -141,3 +141,11 @@ def test_start_epoch_moves_the_schedule_and_config_yaml_round_trips(digits, tmp_
     assert dataclasses.replace(again, config=None) == parse_config(argv(digits, tmp_path, "--epochs", "3",
                                                                         "--lr-schedule", "step", "--lr-step",
                                                                         "1", "--start-epoch", "2"))
+
+
+@pytest.mark.parametrize("pipeline", ["fast", "classic"])
+def test_augmentation_recipe_flags_train(digits, tmp_path, pipeline):
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--auto-augment", "trivialaugment", "--random-erase",
+                     "0.25", "--label-smoothing", "0.1", "--data-pipeline", pipeline, "-j", "2")) == 0
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["train_samples"] == 80 and row["val_samples"] == 80
