@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from imagenet import prepare
 from imagenet.ema import ModelEma
 from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
 from imagenet.runner import main
@@ -35,13 +34,6 @@ def test_fp16_average_follows_the_fp32_masters_not_the_rounded_copy():
     for e, m in zip(ema.model.parameters(), prec.masters):
         assert e.dtype == torch.float32 and torch.equal(e, m)
     assert all(b.dtype == torch.float32 for b in ema.model.buffers() if b.is_floating_point())
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    prepare.export_mnist5k(str(root), limit_per_class=8)
-    return str(root)
 
 
 def argv(data, out, *extra):

@@ -8,18 +8,10 @@ import pytest
 import torch
 import torchvision
 
-from imagenet import prepare
 from imagenet.config import parse_config
 from imagenet.errors import UserError
 from imagenet.precision import build_precision
 from imagenet.runner import main
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    prepare.export_mnist5k(str(root), limit_per_class=8)
-    return str(root)
 
 
 def argv(data, out, *extra):
