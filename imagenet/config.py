@@ -69,6 +69,8 @@ class Config:
     weight_decay: float = 1e-4  # L2 coefficient applied by SGD, per step
     no_bn_weight_decay: bool = False  # exempt BatchNorm weights/biases and all biases from decay
     label_smoothing: float = 0.0
+    mixup: float = 0.0  # Beta(a, a) parameter of mixup (0: off)
+    cutmix: float = 0.0  # Beta(a, a) parameter of CutMix (0: off); with both, half the batches each
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the (unscaled) gradients per step
     model_ema: Optional[float] = None  # keep an fp32 moving average of the weights with this decay per step
     lr_schedule: str = "step"  # step: x lr_gamma every lr_step epochs; cosine: to 0 at the end
@@ -312,6 +314,7 @@ def validate(cfg: Config) -> None:
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
     need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
     for name in ("lr", "momentum", "weight_decay", "label_smoothing", "warmup_epochs", "lr_gamma",
                  "min_crop_scale", "hflip", "max_bad_fraction", "initial_loss_scale"):

@@ -58,13 +58,14 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
 def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
                     ctx: DistContext, epoch: int, opts: LoopOptions, start_step: int = 0,
                     stop: Callable[[], bool] = lambda: False,
-                    on_step: Optional[Callable[[int], None]] = None, ema=None) -> dict:
+                    on_step: Optional[Callable[[int], None]] = None, ema=None, mixer=None) -> dict:
     """One pass over the training loader (device-ready batches); returns the reduced metrics.
 
     ``start_step`` batches of this epoch were done before (the loader already skips them);
     after each step ``on_step(steps_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()``
     may end the epoch early (preemption); the result then says ``completed: False``. ``ema``
-    (an :class:`imagenet.ema.ModelEma`) follows every step that changed the weights.
+    (an :class:`imagenet.ema.ModelEma`) follows every step that changed the weights; ``mixer``
+    (:class:`imagenet.mixing.BatchMixer`) turns batches into mixup/cutmix ones with soft labels.
     """
     model.train()
     sums = DeviceSums(ctx.device)
@@ -95,8 +96,11 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             weight = 0.0
         else:
             last_good = (images, targets)
+        labels = targets
+        if mixer is not None and weight:
+            images, labels = mixer(images, targets)
         output = precision.forward(model, images)
-        loss = criterion(output, targets) * weight
+        loss = criterion(output, labels) * weight
         precision.backward(loss)
         if not precision.step(optimizer):
             skipped_steps += 1

@@ -27,6 +27,7 @@ from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import create_model, load_weights_into, pretrained_state_dict, strip_prefix
 from .ema import ModelEma
+from .mixing import BatchMixer
 from .precision import Precision, build_precision, configure_tf32, describe
 from .preemption import Preempted, StopRequest
 
@@ -180,6 +181,9 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
     model = distributed.wrap(model, ctx)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
+    mixer = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:  # soft labels carry the smoothing; the training loss adds none
+        mixer = BatchMixer(len(data.classes), cfg.mixup, cfg.cutmix, cfg.label_smoothing)
     # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
     # from here on (none in a plain ResNet) gets a stream of its own on each rank.
     torch.manual_seed(seed + ctx.rank)
@@ -211,7 +215,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         result.pop("skipped_paths")
         return result
     return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                  opts, start_epoch, best_acc1, start_step, ema)
+                  opts, start_epoch, best_acc1, start_step, ema, mixer)
 
 
 def _starting_weights(cfg: Config) -> Optional[tuple]:
@@ -288,15 +292,16 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
 
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-           start_epoch: int, best_acc1: float, start_step: int, ema) -> dict:
+           start_epoch: int, best_acc1: float, start_step: int, ema, mixer) -> dict:
     with StopRequest(ctx) as stop:
         return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                       opts, start_epoch, best_acc1, start_step, stop, ema)
+                       opts, start_epoch, best_acc1, start_step, stop, ema, mixer)
 
 
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema) -> dict:
+            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer) -> dict:
     per_process = per_process_batch(cfg.batch_size, ctx)
+    train_criterion = nn.CrossEntropyLoss().to(ctx.device) if mixer is not None else criterion
 
     def save(epoch: int, step: int, is_best: bool = False) -> None:
         # Every rank takes part (RNG gather); rank 0 writes. step > 0: in the middle of `epoch`.
@@ -320,8 +325,9 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         train_loader.sampler.set_start(start_step * per_process)
         every = cfg.save_every_steps
         on_step = (lambda done, e=epoch: save(e, done) if done % every == 0 else None) if every else None
-        train = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, precision, ctx, epoch, opts,
-                                start_step=start_step, stop=stop.should_stop, on_step=on_step, ema=ema)
+        train = train_one_epoch(model, train_loader, train_criterion, optimizer, scheduler, precision, ctx, epoch,
+                                opts, start_step=start_step, stop=stop.should_stop, on_step=on_step, ema=ema,
+                                mixer=mixer)
         start_step = 0
         if not train["completed"]:
             save(epoch, train["steps_done"])
