@@ -36,8 +36,9 @@ class Config:
     # -- data -------------------------------------------------------------------------------
     data: Optional[str] = None  # ImageFolder root with train/ and val/; None: built-in MNIST-5k
     workers: int = 4  # data-loading processes per training process
-    image_size: int = 224  # training crop and validation crop, pixels
+    image_size: int = 224  # training crop (and validation crop unless --val-crop), pixels
     val_resize: int = 256  # validation images are resized to this (shorter side), then center-cropped
+    val_crop: Optional[int] = None  # validation crop if not --image-size: train low-res, test at 224
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound (fraction of the image)
     hflip: float = 0.5  # probability of a horizontal flip in training
     auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment (torchvision's)
@@ -334,8 +335,10 @@ def validate(cfg: Config) -> None:
     need(cfg.lr_step >= 1, f"--lr-step must be at least 1 epoch, got {cfg.lr_step}")
     need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
     need(cfg.image_size >= 8, f"--image-size must be at least 8 pixels, got {cfg.image_size}")
-    need(cfg.val_resize >= cfg.image_size,
-         f"--val-resize ({cfg.val_resize}) must be at least --image-size ({cfg.image_size})")
+    crop = cfg.val_crop if cfg.val_crop is not None else cfg.image_size
+    need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
+    need(cfg.val_resize >= crop, f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
+                                 f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
     need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
     need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
     need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")

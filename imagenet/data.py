@@ -229,12 +229,16 @@ class DataBundle:
     root: str  # where the images are ("synthetic" for --dummy)
 
 
+def _val_crop(cfg) -> int:
+    return getattr(cfg, "val_crop", None) or cfg.image_size
+
+
 def build_datasets(cfg, root: Optional[str]) -> DataBundle:
     """Datasets for ``root`` (already resolved: the user's DIR or the built-in export)."""
     if cfg.dummy:
         n = cfg.dummy_classes
         return DataBundle(SyntheticDataset(cfg.dummy_train_size, n, cfg.image_size, seed=1),
-                          SyntheticDataset(cfg.dummy_val_size, n, cfg.image_size, seed=2),
+                          SyntheticDataset(cfg.dummy_val_size, n, _val_crop(cfg), seed=2),
                           [str(i) for i in range(n)], "synthetic")
     classes = check_layout(root)
     if cfg.data_pipeline == "fast":
@@ -244,10 +248,10 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
                  if cfg.random_erase > 0 else None)
         train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft,
                                 augment=augment_policy(cfg.auto_augment), erase=erase)
-        val_tf, loader = ValDecoder(cfg.image_size, cfg.val_resize, draft=draft), path_identity
+        val_tf, loader = ValDecoder(_val_crop(cfg), cfg.val_resize, draft=draft), path_identity
     else:
         train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip, cfg.auto_augment, cfg.random_erase)
-        val_tf, loader = val_transform(cfg.image_size, cfg.val_resize), default_loader
+        val_tf, loader = val_transform(_val_crop(cfg), cfg.val_resize), default_loader
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
     return DataBundle(train, val, classes, root)

@@ -118,8 +118,9 @@ def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, sou
     logger.info("=> mode: %s", ctx.describe())
     if ctx.mode == "dp":
         logger.info("=> hint: python -m multiproc main.py ... runs one process per GPU (DDP) and is faster")
-    logger.info("=> data: %s (%d train / %d val images, %d classes)", source, len(data.train), len(data.val),
-                len(data.classes))
+    logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d",
+                source, len(data.train), len(data.val), len(data.classes), cfg.image_size,
+                cfg.val_crop or cfg.image_size, cfg.val_resize)
     logger.info("=> model: %s%s, %.1fM parameters, %s", cfg.arch, " (small stem)" if cfg.small_stem else "",
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous")
     logger.info("=> precision: %s", describe(precision, cfg.tf32, ctx.device))

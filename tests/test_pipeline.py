@@ -131,3 +131,15 @@ def test_random_erasing_on_uint8_paints_the_mean_colour(photo):
     (x, _, _), = list(DeviceLoader([collate_skipping([(out, 0, None)])], torch.device("cpu"), False,
                                    IMAGENET_MEAN, IMAGENET_STD))
     assert x[0][:, painted].abs().max() < 0.02
+
+
+def test_low_resolution_training_with_a_full_size_validation_crop(digits, tmp_path):
+    from imagenet.config import parse_config
+    from imagenet.data import build_datasets
+    cfg = parse_config([digits, "--image-size", "16", "--val-crop", "24", "--val-resize", "28"])
+    data = build_datasets(cfg, digits)
+    assert data.train[(0, 1)][0].shape == (16, 16, 3)
+    assert data.val[0][0].shape == (24, 24, 3)
+    from imagenet.errors import UserError
+    with pytest.raises(UserError, match="--val-crop"):
+        parse_config([digits, "--val-crop", "300"])
