@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -140,6 +141,7 @@ _HELP = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types() -> dict:
     hints = {}
     for f in fields(Config):
@@ -148,8 +150,9 @@ def _field_types() -> dict:
     return hints
 
 
-def _optional_fields() -> set:
-    return {f.name for f in fields(Config) if "Optional[" in str(f.type)}
+@functools.lru_cache(maxsize=None)
+def _optional_fields() -> frozenset:
+    return frozenset(f.name for f in fields(Config) if "Optional[" in str(f.type))
 
 
 class _YamlLoader(yaml.SafeLoader):

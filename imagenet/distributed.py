@@ -228,10 +228,8 @@ def _check_rendezvous(cfg, denv: dict) -> None:
                     "start rank 0 first, and check the address, the port and the firewall")
 
 
-def wrap(model: nn.Module, ctx: DistContext, sync_bn: bool = False) -> nn.Module:
+def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """Put the (already precision-converted) model on its device and in its parallel wrapper."""
-    if sync_bn and ctx.mode == "ddp":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(ctx.device)
     if ctx.mode == "dp":
         return nn.DataParallel(model, device_ids=ctx.device_ids)

@@ -18,12 +18,6 @@ def topk_correct(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch
     return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in ks]).to(torch.float64)
 
 
-def accuracy(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> list:
-    """Top-k accuracy in percent, as the reference script computes it."""
-    n = max(target.numel(), 1)
-    return [float(c) * 100.0 / n for c in topk_correct(output, target, ks)]
-
-
 class DeviceSums:
     """Running float64 sums of (loss * n, correct@1, correct@5, n) kept on one device."""
 

@@ -45,11 +45,19 @@ def strip_prefix(state_dict: dict) -> dict:
 
 
 def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
-    """Load a (possibly prefixed) state dict; a classifier of another class count is re-initialised.
+    """Load a (possibly prefixed) state dict; returns it as loaded (see :func:`fit_state_dict`)."""
+    state_dict = fit_state_dict(model, state_dict, source)
+    model.load_state_dict(state_dict)
+    return state_dict
+
+
+def fit_state_dict(model: nn.Module, state_dict: dict, source: str) -> dict:
+    """Check a (possibly prefixed) state dict against ``model``; a classifier of another class
+    count is replaced by the model's own (fresh) one.
 
     Anything else that does not match is an error naming the offending keys: silently keeping
     random layers would train a different model than the user asked for. Returns the state
-    dict as loaded (prefixes stripped, gaps filled).
+    dict ready to load (prefixes stripped, gaps filled).
     """
     state_dict = strip_prefix(state_dict)
     own = model.state_dict()
@@ -79,7 +87,6 @@ def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
         raise UserError(f"weights in {source} do not fit this model: {k} has shape "
                         f"{tuple(state_dict[k].shape)}, the model {tuple(own[k].shape)}; "
                         "check -a/--arch and --small-stem")
-    model.load_state_dict(state_dict)
     return state_dict
 
 

@@ -33,10 +33,6 @@ class DeviceLoader:
     def sampler(self):
         return self.loader.sampler
 
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8 and images.dim() == 4:
             x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW

@@ -25,10 +25,10 @@ from .config import Config, parse_config
 from .data import DataBundle, build_datasets, build_loaders, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
-from .models import create_model, load_weights_into, pretrained_state_dict, strip_prefix
+from .models import create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
 from .ema import ModelEma
 from .mixing import BatchMixer
-from .precision import Precision, build_precision, configure_tf32, describe
+from .precision import Precision, build_precision, configure_tf32, describe, unwrap
 from .preemption import Preempted, StopRequest
 
 logger = logging.getLogger("imagenet")
@@ -255,7 +255,7 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     if fc is not None and fc.shape[0] != num_classes:
         raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
                         "--resume continues the same run: to fine-tune from it use --weights")
-    state = load_weights_into(model.module if hasattr(model, "module") else model, state, path)
+    state = fit_state_dict(unwrap(model), state, path)
     precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
     if cfg.evaluate:  # evaluation needs the weights only
         return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0

@@ -28,6 +28,15 @@ def args(data, out, *extra):
             "--seed", "0", "--lr", "0.02", "--epochs", "2", "--output-dir", str(out), *extra]
 
 
+def signal_when(proc, prefix):
+    """Read the run's output until a line starts with ``prefix``, then SIGTERM it; returns when."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            proc.send_signal(signal.SIGTERM)
+            return time.monotonic()
+    pytest.fail(f"the run ended before printing {prefix!r}")
+
+
 def weights(out):
     return torch.load(Path(out) / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
 
@@ -75,16 +84,10 @@ def test_sigterm_writes_a_checkpoint_and_resume_matches_a_straight_run(digits, s
     # the same thread count as the in-process straight run: float sums must happen in one order
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # wait until epoch 0 is under way
-        lines.append(line)
-        if line.startswith("Epoch: [0][ 3/"):
-            proc.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
-            break
+    sent = signal_when(proc, "Epoch: [0][ 3/")  # epoch 0 is under way
     out = proc.communicate(timeout=60)[0]
     assert time.monotonic() - sent < 60
-    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + out
+    assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out and "--resume auto" in out
     ckpt = weights(tmp_path)
     assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 15
@@ -99,11 +102,7 @@ def test_sigterm_through_multiproc_stops_every_rank_with_a_checkpoint(digits, tm
     cmd = [sys.executable, "-m", "multiproc", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
            "main.py", *args(digits, tmp_path, "--dist-backend", "gloo", "--epochs", "20")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if line.startswith("Epoch: [0][ 2/"):
-            proc.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
-            break
+    sent = signal_when(proc, "Epoch: [0][ 2/")
     out = proc.communicate(timeout=90)[0]
     assert time.monotonic() - sent < 60
     assert proc.returncode != 0
