@@ -189,7 +189,12 @@ def phase_bench(args) -> None:
     for name, cmd, env in scale:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
-    # Where DataParallel's time goes (it ran resnet18 at 28 px ~9x slower than one GPU here).
+    # Where DataParallel's time goes (it ran resnet18 at 28 px ~9x slower than one GPU here):
+    # the same small step on one GPU, then on two with DataParallel under the profiler.
+    small = "scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 --precision fp32"
+    run_group([{"name": "small-1gpu", "env": {"CUDA_VISIBLE_DEVICES": "0"},
+                "cmd": f"{PY} {small} --warmup 5 --steps 10 --windows 3"}], args)
+    print(tail(os.path.join(args.out, "small-1gpu", "log.txt"), 3), flush=True)
     name = "profile-dp2"
     run_group([{"name": name, "env": {"CUDA_VISIBLE_DEVICES": "0,1"},
                 "cmd": f"{PY} scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 "
