@@ -81,8 +81,10 @@ def run_group(runs: list, args) -> list:
                "loss_scale": rows[-1].get("loss_scale") if rows else None, "epochs": len(rows)}
         if rc:
             print(f"  !! {r['name']} exited {rc}:\n{tail(os.path.join(out, 'log.txt'), 15)}", flush=True)
-        else:
+        elif res["acc1"] is not None:
             print(f"  {r['name']}: Acc@1 {res['acc1']:.2f} in {res['seconds']:.0f} s", flush=True)
+        else:
+            print(f"  {r['name']}: done in {res['seconds']:.0f} s", flush=True)
         results.append(res)
     return results
 
@@ -165,7 +167,9 @@ def phase_multigpu(args) -> None:
     if args.only:
         runs = [r for r in runs if r[0].split("-")[0] in args.only.split(",")]
     results = []
-    for name, cmd in runs:
+    if args.concurrent:  # accuracy only: runs share the GPUs, so their img/s figures mean little
+        results = run_group([{"name": name, "cmd": cmd, "env": two} for name, cmd in runs], args)
+    for name, cmd in ([] if args.concurrent else runs):
         results += run_group([{"name": name, "cmd": cmd, "env": two}], args)
     ref = args.ref_acc
     if ref is not None:
@@ -177,7 +181,8 @@ def phase_multigpu(args) -> None:
 
 def phase_bench(args) -> None:
     common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
-    runs = [("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json", {"CUDA_VISIBLE_DEVICES": "0"})]
+    runs = [] if args.skip_matrix else [("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json",
+                                         {"CUDA_VISIBLE_DEVICES": "0"})]
     for name, cmd, env in runs:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 20), flush=True)
@@ -202,9 +207,29 @@ def phase_bench(args) -> None:
     print(tail(os.path.join(args.out, name, "log.txt"), 40), flush=True)
 
 
+def phase_recipe(args) -> None:
+    """The plain fp16 recipe vs the same with a weight average and label smoothing, one GPU each."""
+    data = ensure_fashion(args)
+    base = f"{PY} {recipe(args, data)} --fp16"
+    results = run_group([{"name": "r-fp16-plain", "cmd": base, "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+                         {"name": "r-fp16-ema-ls", "cmd": f"{base} --model-ema 0.999 --label-smoothing 0.1",
+                          "env": {"CUDA_VISIBLE_DEVICES": "1"}}], args)
+    for r in results:
+        rows = last_metrics(os.path.join(args.out, r["name"]))
+        if rows and "val_acc1_ema" in rows[-1]:
+            print(f"{r['name']}: weight average final Acc@1 {rows[-1]['val_acc1_ema']:.2f}, "
+                  f"best {max(x['val_acc1_ema'] for x in rows):.2f}")
+    table(results, "r-fp16-plain")
+    png = os.path.join(args.out, "recipe-fp16-ema-ls.png")
+    dirs = " ".join(os.path.join(args.out, r["name"]) for r in results)
+    sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
+       f"plain vs weight average + label smoothing'", os.path.join(args.out, "plot.log"))
+    print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench"))
+    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -214,9 +239,12 @@ def main() -> int:
     p.add_argument("--bench-best", default="fp16", help="precision for the DP/DDP scaling rows")
     p.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
     p.add_argument("--bench-steps", type=int, default=20)
+    p.add_argument("--skip-matrix", action="store_true", help="bench: only the 1-GPU/DP/DDP rows and the profile")
+    p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench}[args.phase](args)
+    {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
+     "recipe": phase_recipe}[args.phase](args)
     return 0
 
 
