@@ -60,6 +60,7 @@ class Config:
     pretrained: bool = False  # torchvision ImageNet weights, from the local torch hub cache only
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from
     channels_last: bool = False
+    compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -70,6 +71,7 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 1e-4  # L2 coefficient applied by SGD, per step
     no_bn_weight_decay: bool = False  # exempt BatchNorm weights/biases and all biases from decay
+    optimizer_impl: str = "auto"  # SGD kernel: auto (fused on CUDA, foreach elsewhere) | fused | foreach
     label_smoothing: float = 0.0
     mixup: float = 0.0  # Beta(a, a) parameter of mixup (0: off)
     cutmix: float = 0.0  # Beta(a, a) parameter of CutMix (0: off); with both, half the batches each
@@ -131,7 +133,8 @@ _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq":
 _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
-            "dist_backend": ("nccl", "gloo", "mpi", "ucc")}
+            "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
+            "compile": ("off", "default", "reduce-overhead", "max-autotune")}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",

@@ -39,12 +39,28 @@ class ModelEma:
         self._counters = [(d, s) for d, s in buffers if not d.is_floating_point()]
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, stepped=True) -> None:
+        """Follow one optimizer step; ``stepped`` False (or a device flag that is False) means
+        the step was skipped and the weights did not move.
+
+        With a device flag the update is masked on the device instead of waiting for the host;
+        ``updates`` (the decay warm-up's clock) then counts attempted steps.
+        """
+        if stepped is False:
+            return
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
-        if self._dst_buf:
-            torch._foreach_lerp_(self._dst_buf, [s.float() for s in self._src_buf], 1.0 - d)
+        if isinstance(stepped, torch.Tensor):
+            weight = stepped.to(torch.float32) * (1.0 - d)  # 0 on a skipped step: nothing moves
+            for dst, src in ((self._dst, self._src), (self._dst_buf, [s.float() for s in self._src_buf])):
+                if dst:
+                    delta = torch._foreach_sub(src, dst)
+                    torch._foreach_mul_(delta, weight)
+                    torch._foreach_add_(dst, delta)
+        else:
+            torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
+            if self._dst_buf:
+                torch._foreach_lerp_(self._dst_buf, [s.float() for s in self._src_buf], 1.0 - d)
         for dst, src in self._counters:
             dst.copy_(src)
 

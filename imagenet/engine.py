@@ -75,7 +75,8 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     total = start_step + len(loader)
     n = total if opts.max_steps is None else min(total, opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
-    steps = skipped_steps = 0
+    steps = 0
+    skipped_before = precision.skipped_steps
     last_good = None
     completed, done = True, start_step
     start = end = time.perf_counter()
@@ -102,10 +103,9 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         output = precision.forward(model, images)
         loss = criterion(output, labels) * weight
         precision.backward(loss)
-        if not precision.step(optimizer):
-            skipped_steps += 1
-        elif ema is not None:
-            ema.update()
+        stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
+        if ema is not None:
+            ema.update(stepped)
         if steps == 0:
             with warnings.catch_warnings():
                 # A skipped (overflowing) first step makes torch warn that the schedule runs
@@ -140,7 +140,8 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
     totals = sums.totals(ctx, all_reduce_sum)
     return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
-            "train_samples": totals["count"], "steps": steps, "skipped_steps": skipped_steps,
+            "train_samples": totals["count"], "steps": steps,
+            "skipped_steps": precision.skipped_steps - skipped_before,
             "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
             "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
             "steps_done": done}
@@ -164,8 +165,13 @@ def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) ->
 def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
              opts: LoopOptions, name: str = "") -> dict:
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
-    # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model.
-    net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
+    # (the eager one when the DDP wrapper was compiled).
+    net = getattr(model, "_orig_mod", model)
+    if isinstance(net, nn.parallel.DistributedDataParallel):
+        net = net.module
+    else:
+        net = model
     net.eval()
     sums = DeviceSums(ctx.device)
     batch_time = AverageMeter()

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .errors import UserError
+from .optim import supports_found_inf
 
 logger = logging.getLogger(__name__)
 
@@ -66,45 +67,123 @@ class LossScaler:
     below ``min_scale``) and skip the step; after ``window`` clean steps in a row, double it.
     Static: the scale never changes, but a non-finite step is still skipped rather than
     written into the weights.
+
+    The state lives on the host until :meth:`attach` moves it onto the device, for steps whose
+    skip is decided there (:meth:`update_on_device`, no host sync); reading ``scale`` or the
+    counters then waits for the device, which the trainer does at print time only.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, dynamic: bool = True, window: int = 1000,
                  factor: float = 2.0, min_scale: float = 1.0, max_scale: float = 2.0 ** 24):
-        self.scale = float(init_scale)
+        self._scale = float(init_scale)
         self.dynamic = dynamic
         self.window = window
         self.factor = factor
         self.min_scale = min_scale
         self.max_scale = max_scale
-        self.clean_steps = 0
-        self.skipped_steps = 0
+        self._clean = 0
+        self._skipped = 0
+        self._logged = 0
+        self._dev: Optional[dict] = None  # scale, clean-step tracker, skip counter as device tensors
+
+    # -- host view ---------------------------------------------------------------------------
+
+    def _pull(self) -> None:
+        if self._dev is None:
+            return
+        scale, clean, skipped = torch.stack([self._dev["scale"], self._dev["clean"].float(),
+                                             self._dev["skipped"]]).tolist()
+        before = self._skipped
+        self._scale, self._clean, self._skipped = scale, int(clean), int(skipped)
+        if self._skipped > before and self._logged < _LOGGED_SKIPS:
+            self._logged += 1
+            logger.info("gradient overflow: %d step(s) skipped since the last report, loss scale now %g%s",
+                        self._skipped - before, self._scale,
+                        " (further skips are counted in the epoch summary)" if self._logged == _LOGGED_SKIPS
+                        else "")
+
+    def _push(self) -> None:
+        if self._dev is not None:
+            self._dev["scale"].fill_(self._scale)
+            self._dev["clean"].fill_(self._clean)
+            self._dev["skipped"].fill_(self._skipped)
+
+    @property
+    def scale(self) -> float:
+        self._pull()
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._pull()
+        self._scale = float(value)
+        self._push()
+
+    @property
+    def clean_steps(self) -> int:
+        self._pull()
+        return self._clean
+
+    @property
+    def skipped_steps(self) -> int:
+        self._pull()
+        return self._skipped
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` in float32, without reading a device-held scale back to the host."""
+        return loss.float() * (self._dev["scale"] if self._dev is not None else self._scale)
 
     def update(self, overflow: bool) -> None:
-        """Record one step's outcome and adapt the scale."""
+        """Record one step's outcome (known on the host) and adapt the scale."""
+        self._pull()
         if overflow:
-            self.skipped_steps += 1
-            self.clean_steps = 0
-            old = self.scale
+            self._skipped += 1
+            self._clean = 0
+            old = self._scale
             if self.dynamic:
-                self.scale = max(self.scale / self.factor, self.min_scale)
-            if self.skipped_steps <= _LOGGED_SKIPS:
-                logger.info("gradient overflow: step skipped, loss scale %g -> %g%s", old, self.scale,
+                self._scale = max(self._scale / self.factor, self.min_scale)
+            if self._logged < _LOGGED_SKIPS:
+                self._logged += 1
+                logger.info("gradient overflow: step skipped, loss scale %g -> %g%s", old, self._scale,
                             " (further skips are counted in the epoch summary)"
-                            if self.skipped_steps == _LOGGED_SKIPS else "")
-            return
-        self.clean_steps += 1
-        if self.dynamic and self.clean_steps >= self.window:
-            self.scale = min(self.scale * self.factor, self.max_scale)
-            self.clean_steps = 0
+                            if self._logged == _LOGGED_SKIPS else "")
+        else:
+            self._clean += 1
+            if self.dynamic and self._clean >= self.window:
+                self._scale = min(self._scale * self.factor, self.max_scale)
+                self._clean = 0
+        self._push()
+
+    def attach(self, device: torch.device) -> None:
+        """Keep the state on ``device`` from now on (for :meth:`update_on_device`)."""
+        if self._dev is None:
+            self._dev = {"scale": torch.full((), self._scale, dtype=torch.float32, device=device),
+                         "clean": torch.full((), self._clean, dtype=torch.int32, device=device),
+                         "skipped": torch.full((), float(self._skipped), dtype=torch.float32, device=device)}
+
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """:meth:`update` with the outcome as a device flag (1.0 = overflow); nothing waits."""
+        dev = self._dev
+        dev["skipped"].add_(found_inf.reshape(()))
+        if self.dynamic:
+            torch._amp_update_scale_(dev["scale"], dev["clean"], found_inf, self.factor, 1.0 / self.factor,
+                                     self.window)
+            dev["scale"].clamp_(self.min_scale, self.max_scale)
+        else:
+            dev["clean"].add_(1).mul_((found_inf.reshape(()) == 0).to(torch.int32))
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "dynamic": self.dynamic, "window": self.window,
-                "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        self._pull()
+        return {"scale": self._scale, "dynamic": self.dynamic, "window": self.window,
+                "clean_steps": self._clean, "skipped_steps": self._skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state.get("clean_steps", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._scale = float(state["scale"])
+        self._clean = int(state.get("clean_steps", 0))
+        self._skipped = int(state.get("skipped_steps", 0))
+        self._push()
 
 
 class Precision:
@@ -183,6 +262,8 @@ class AutocastPrecision(Precision):
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=window,
                                            enabled=dtype == torch.float16)
         self._skipped = 0
+        self._skipped_dev: Optional[torch.Tensor] = None  # skips decided on the device, not yet read
+        self._logged = 0
 
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -197,23 +278,46 @@ class AutocastPrecision(Precision):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer):
+        """GradScaler's step; with a fused optimizer the skip is decided on the device, and
+        ``stepped`` is then a device bool tensor (no host sync), else a bool."""
         if not self.scaler.is_enabled():
             return super().step(optimizer)
-        before = self.scaler.get_scale()
+        on_device = supports_found_inf(optimizer) and getattr(self.scaler, "_scale", None) is not None
+        before = self.scaler._scale.clone() if on_device else self.scaler.get_scale()
         if self.clip_norm is not None:
             self.scaler.unscale_(optimizer)  # clip the true gradients; step() knows they're unscaled
             self._clip(_optimizer_params(optimizer))
         self.scaler.step(optimizer)
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        stepped = self.scaler.get_scale() >= before  # the scaler shrinks exactly when it skipped
+        if on_device:
+            stepped = self.scaler._scale >= before  # the scaler shrinks exactly when it skipped
+            if self._skipped_dev is None:
+                self._skipped_dev = torch.zeros((), device=before.device)
+            self._skipped_dev.add_((~stepped).float())
+            return stepped
+        stepped = self.scaler.get_scale() >= before
         if not stepped:
             self._skipped += 1
-            if self._skipped <= _LOGGED_SKIPS:
-                logger.info("gradient overflow: step skipped, loss scale %g -> %g", before,
-                            self.scaler.get_scale())
+            self._log_skips(f"step skipped, loss scale {before:g} -> {self.scaler.get_scale():g}")
         return stepped
+
+    def _log_skips(self, what: str) -> None:
+        if self._logged < _LOGGED_SKIPS:
+            self._logged += 1
+            logger.info("gradient overflow: %s%s", what, " (further skips are counted in the epoch summary)"
+                        if self._logged == _LOGGED_SKIPS else "")
+
+    def _pull(self) -> None:
+        # Skips decided on the device since the last read (print time / epoch end only).
+        if self._skipped_dev is not None:
+            new = int(self._skipped_dev.item())
+            self._skipped_dev.zero_()
+            self._skipped += new
+            if new:
+                self._log_skips(f"{new} step(s) skipped since the last report, loss scale now "
+                                f"{self.scaler.get_scale():g}")
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -221,10 +325,11 @@ class AutocastPrecision(Precision):
 
     @property
     def skipped_steps(self) -> int:
+        self._pull()
         return self._skipped
 
     def state_dict(self) -> dict:
-        return {"mode": self.name, "scaler": self.scaler.state_dict(), "skipped_steps": self._skipped}
+        return {"mode": self.name, "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.name:
@@ -232,6 +337,8 @@ class AutocastPrecision(Precision):
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self._skipped = int(state.get("skipped_steps", 0))
+        if self._skipped_dev is not None:
+            self._skipped_dev.zero_()
 
 
 class _AutocastDtypeHook:
@@ -300,16 +407,28 @@ class MasterWeightPrecision(Precision):
         return images.to(self.model_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss.float() * self.scaler.scale).backward()
+        self.scaler.scale_loss(loss).backward()
 
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer):
+        """Copy, unscale and check the gradients on the masters, step, copy the masters back.
+
+        With an optimizer that takes the overflow flag on the device (fused SGD on a GPU) the
+        skip is decided there and ``stepped`` is a device bool tensor, so no step waits for the
+        host; otherwise the flag is read once (a host sync) and ``stepped`` is a bool.
+        """
+        on_device = supports_found_inf(optimizer)
+        if on_device:
+            self.scaler.attach(self._found_inf.device)
         with_grad = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         model_grads = [p.grad for p, _ in with_grad]
         master_grads = [m.grad for _, m in with_grad]
         found_inf = self._found_inf.zero_()
         if master_grads:
-            inv_scale = self._inv_scale.fill_(1.0 / self.scaler.scale)
+            if on_device:
+                inv_scale = torch.reciprocal(self.scaler._dev["scale"]).reshape(1)
+            else:
+                inv_scale = self._inv_scale.fill_(1.0 / self.scaler.scale)
             if self.foreach:
                 # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
                 torch._foreach_copy_(master_grads, model_grads)
@@ -322,6 +441,8 @@ class MasterWeightPrecision(Precision):
         for p, m in zip(self.params, self.masters):
             if p.grad is None:
                 m.grad = None
+        if on_device:
+            return self._step_on_device(optimizer, found_inf)
         overflow = bool(found_inf.item())  # the one host sync per step, to decide the skip
         if not overflow:
             self._clip([m for m in self.masters if m.grad is not None])
@@ -332,12 +453,29 @@ class MasterWeightPrecision(Precision):
                 for p, m in zip(self.params, self.masters):
                     p.copy_(m)
         self.scaler.update(overflow)
+        self._reset_grads()
+        return not overflow
+
+    def _step_on_device(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        # The clip's norm is inf on an overflowing step; the step is skipped then anyway.
+        self._clip([m for m in self.masters if m.grad is not None])
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None  # already unscaled above
+        try:
+            optimizer.step()  # the fused kernel leaves weights and momentum alone if found_inf
+        finally:
+            optimizer.found_inf = optimizer.grad_scale = None
+        torch._foreach_copy_(self.params, self._master_data)  # unchanged masters on a skip: harmless
+        self.scaler.update_on_device(found_inf)
+        stepped = found_inf.reshape(()) == 0  # a new tensor: found_inf is reused next step
+        self._reset_grads()
+        return stepped
+
+    def _reset_grads(self) -> None:
         for p in self.params:
             p.grad = None
         for m in self.masters:
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
-        return not overflow
 
     @property
     def loss_scale(self) -> Optional[float]:

@@ -20,12 +20,12 @@ import yaml
 import torch.nn as nn
 
 from . import checkpoint as ckpt_io
-from . import distributed
+from . import distributed, optim
 from .config import Config, parse_config
 from .data import DataBundle, build_datasets, build_loaders, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
-from .models import create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
+from .models import compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
 from .ema import ModelEma
 from .mixing import BatchMixer
 from .precision import Precision, build_precision, configure_tf32, describe, unwrap
@@ -98,16 +98,6 @@ def _resolve_data_root(cfg: Config) -> Optional[str]:
     return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
 
 
-def _param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bool) -> list:
-    if not exempt_norm_and_bias:
-        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
-    decay, no_decay = [], []
-    for p in model.parameters():
-        # 1-D parameters are exactly the BatchNorm weights/biases and the biases in ResNets.
-        (no_decay if p.ndim <= 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, source: str) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     per_dev = per_process_batch(cfg.batch_size, ctx)
@@ -172,15 +162,16 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         model.to(memory_format=torch.channels_last)
     precision = build_precision(cfg, ctx.device)
     model = precision.prepare_model(model)
-    groups = precision.param_groups(_param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
+    optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
+                                      ctx.device)
     iters = len(train_loader) if cfg.prof < 0 else min(len(train_loader), cfg.prof)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
     if ctx.is_main:
         _banner(cfg, ctx, data, model, precision, source)
     ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
-    model = distributed.wrap(model, ctx)
+    model = compile_model(distributed.wrap(model, ctx), cfg.compile, ctx.mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
     mixer = None
     if cfg.mixup > 0 or cfg.cutmix > 0:  # soft labels carry the smoothing; the training loss adds none
@@ -260,7 +251,7 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     if cfg.evaluate:  # evaluation needs the weights only
         return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0
     try:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optim.load_optimizer_state(optimizer, ckpt["optimizer"])
         if "scheduler" in ckpt:
             scheduler.load_state_dict(ckpt["scheduler"])
     except (ValueError, KeyError, RuntimeError) as e:

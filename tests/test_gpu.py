@@ -119,3 +119,40 @@ def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype):
     net = nn.DataParallel(model, device_ids=[0, 1])
     prec.forward(net, torch.randn(8, 3, 28, 28, device="cuda:0"))
     assert len(seen) == 2 and set(seen) == {dtype}
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["fp16", "amp"])
+def test_a_16_bit_training_step_never_waits_for_the_host(mode):
+    """With the default (fused) optimizer the overflow check, the skip, the scale update and the
+    weight average stay on the GPU: torch's sync debug mode raises on any synchronising call."""
+    from imagenet.ema import ModelEma
+    from imagenet.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = create_model("resnet18", 10, small_stem=True).cuda().to(memory_format=torch.channels_last)
+    prec = (MasterWeightPrecision(LossScaler()) if mode == "fp16"
+            else AutocastPrecision(torch.float16, "cuda"))
+    model = prec.prepare_model(model)
+    opt = build_optimizer(prec.param_groups([{"params": list(model.parameters())}]), 0.1, 0.9, 1e-4, "auto",
+                          torch.device("cuda"))
+    ema = ModelEma(model, prec, 0.99)
+    x = torch.randn(16, 3, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (16,), device="cuda")
+
+    def step():
+        prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
+        stepped = prec.step(opt)
+        ema.update(stepped)
+        return stepped
+
+    first = step()  # the first step sets up lazily (scaler state on the device, GradScaler's tensors)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [step() for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(isinstance(s, torch.Tensor) for s in results)
+    # Read at "print time", the device-held counts agree with the flags the steps returned.
+    assert prec.skipped_steps == sum(not bool(s) for s in [first, *results])
