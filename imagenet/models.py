@@ -104,3 +104,22 @@ def pretrained_state_dict(arch: str) -> dict:
     except Exception as e:
         raise UserError(f"cached pretrained weights {path} could not be read ({type(e).__name__}); "
                         "delete the file and copy it again")
+
+
+def compile_model(model: nn.Module, mode: str, parallel: str) -> nn.Module:
+    """``torch.compile`` the (wrapped) training model unless ``mode`` is ``off``.
+
+    Under DDP the DDP wrapper itself is compiled, so the graph is split at gradient-bucket
+    boundaries and all-reduces still overlap the backward pass. DataParallel re-replicates the
+    module on every forward, which compiled modules do not survive: it is refused.
+    ``reduce-overhead`` also captures the forward and backward in CUDA graphs (static shapes:
+    the trainer drops the last partial batch, so every training step has the same shape).
+    """
+    if mode == "off":
+        return model
+    if parallel == "dp":
+        raise UserError("--compile does not work with DataParallel; run one process per GPU instead: "
+                        "python -m multiproc main.py ... --compile " + mode)
+    if not hasattr(torch, "compile"):
+        raise UserError(f"--compile needs torch >= 2.0; this is torch {torch.__version__}: drop --compile")
+    return torch.compile(model, mode=None if mode == "default" else mode)

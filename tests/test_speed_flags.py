@@ -1,0 +1,97 @@
+"""--compile and --optimizer-impl through the trainer, and scripts/bench.py train on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+from imagenet.errors import UserError
+from imagenet.models import compile_model
+from imagenet.runner import main
+from tests.test_precision_runs import argv, load
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_path, monkeypatch):
+    """The compiled module is only a wrapper: checkpoints hold torchvision's own names, and the
+    run validates and resumes as an uncompiled one. (Dynamo traces for real; the 'eager' backend
+    skips code generation, which a 2-core CI machine cannot afford. Inductor runs on the GPU
+    machine in scripts/bench.py.)"""
+    modes = []
+    real = torch.compile
+
+    def recording_compile(model, mode=None, **kw):
+        modes.append(mode)
+        return real(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16", "--compile", "reduce-overhead")) == 0
+    assert modes == ["reduce-overhead"]
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert not any(k.startswith(("_orig_mod", "module")) for k in ckpt["state_dict"])
+    torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt["state_dict"])
+    row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
+    assert row["val_samples"] == 80
+    assert main(argv(digits, tmp_path, "--epochs", "2", "--fp16", "--compile", "default", "--resume", "auto")) == 0
+    assert modes == ["reduce-overhead", None]
+
+
+def test_compile_is_refused_under_data_parallel():
+    with pytest.raises(UserError, match="DataParallel.*multiproc"):
+        compile_model(torch.nn.Linear(2, 2), "default", "dp")
+    assert isinstance(compile_model(torch.nn.Linear(2, 2), "off", "dp"), torch.nn.Linear)
+
+
+def test_unknown_compile_mode_is_a_flag_error(digits, tmp_path, capsys):
+    assert main(argv(digits, tmp_path, "--compile", "fastest")) == 2
+    assert "--compile" in capsys.readouterr().err
+
+
+def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
+    """--optimizer-impl fused (the GPU default) through the whole loop, fp16 with skips decided on
+    the device, against the host-decided foreach run: same data, same weights to rounding."""
+    try:
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, fused=True)
+    except RuntimeError as e:
+        pytest.skip(f"fused SGD does not run on this CPU build: {e}")
+    runs = {}
+    for impl in ("foreach", "fused"):
+        out = tmp_path / impl
+        assert main(argv(digits, out, "--epochs", "1", "--fp16", "--optimizer-impl", impl)) == 0
+        runs[impl] = (load(out / "checkpoint.pth.tar"), json.loads(open(out / "metrics.jsonl").readline()))
+    (a, row_a), (b, row_b) = runs["foreach"], runs["fused"]
+    assert a["optimizer"]["param_groups"][0]["foreach"] and b["optimizer"]["param_groups"][0]["fused"]
+    assert row_a["skipped_steps"] == row_b["skipped_steps"] and row_a["loss_scale"] == row_b["loss_scale"]
+    for k, v in a["state_dict"].items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, b["state_dict"][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "scripts/bench.py", "train", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_train_prints_a_table_on_the_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    r = bench("--arch", "resnet18", "--image-size", "16", "--num-classes", "10", "--batch-size", "4",
+              "--warmup", "1", "--steps", "2", "--windows", "2", "--matrix", "--precisions", "fp32,fp16",
+              "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| fp16 | channels_last |" in r.stdout and "| fp32 | contiguous |" in r.stdout
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(row["img_per_s"] > 0 and row["min"] <= row["img_per_s"] <= row["max"]
+                                  for row in rows)
+
+
+def test_bench_refuses_a_batch_that_does_not_divide(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "multiproc", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
+                        "scripts/bench.py", "train",
+                        "--arch", "resnet18", "--image-size", "16", "--batch-size", "5", "--steps", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "does not divide" in r.stdout + r.stderr
