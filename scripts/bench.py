@@ -32,7 +32,8 @@ import torch.nn as nn  # noqa: E402
 from imagenet import distributed  # noqa: E402
 from imagenet.config import Config, validate  # noqa: E402
 from imagenet.errors import UserError  # noqa: E402
-from imagenet.models import create_model  # noqa: E402
+from imagenet.models import compile_model, create_model  # noqa: E402
+from imagenet.optim import IMPLS, build_optimizer  # noqa: E402
 from imagenet.precision import MasterWeightPrecision, build_precision, configure_tf32  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
@@ -93,8 +94,8 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         precision = MasterWeightPrecision(precision.scaler, foreach=False)
     model = precision.prepare_model(model)
     params = precision.param_groups([{"params": list(model.parameters())}])
-    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
-    model = distributed.wrap(model, ctx)
+    optimizer = build_optimizer(params, 0.01, 0.9, 1e-4, args.optimizer_impl, ctx.device)
+    model = compile_model(distributed.wrap(model, ctx), args.compile, ctx.mode)
     criterion = nn.CrossEntropyLoss()
     per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
     images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
@@ -141,7 +142,8 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         torch.cuda.empty_cache()
     return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
             "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
-            "devices": ctx.n_devices, "batch": args.batch_size}
+            "devices": ctx.n_devices, "batch": args.batch_size, "compile": args.compile,
+            "optimizer": args.optimizer_impl}
 
 
 def bench_data(args) -> int:
@@ -214,9 +216,14 @@ def main(argv=None) -> int:
     t.add_argument("--arch", default="resnet50")
     t.add_argument("--precision", choices=PRECISIONS, default="amp")
     t.add_argument("--channels-last", action="store_true")
+    t.add_argument("--compile", choices=("off", "default", "reduce-overhead", "max-autotune"), default="off",
+                   help="torch.compile the model as main.py's --compile does (compiles during warm-up)")
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
+    t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")
     t.add_argument("--batch-size", type=int, default=256, help="global batch")
+    t.add_argument("--optimizer-impl", choices=IMPLS, default="auto",
+                   help="SGD kernel, as main.py's flag: auto = fused on CUDA (skip decided on the device)")
     t.add_argument("--image-size", type=int, default=224)
     t.add_argument("--num-classes", type=int, default=1000)
     t.add_argument("--warmup", type=int, default=15, help="untimed steps first (cudnn autotuning)")
@@ -245,21 +252,27 @@ def main(argv=None) -> int:
         print(f"error: --batch-size {args.batch_size} does not divide over {ctx.world_size} processes",
               file=sys.stderr)
         return 2
-    combos = ([(n, cl) for n in args.precisions.split(",") for cl in (False, True)] if args.matrix
+    layouts = [{"contiguous": False, "channels_last": True}[x] for x in args.layouts.split(",")]
+    combos = ([(n, cl) for n in args.precisions.split(",") for cl in layouts] if args.matrix
               else [(args.precision, args.channels_last)])
     flops = train_flops_per_image(args.arch, args.image_size, args.num_classes)
     ceiling = matmul_ceiling(ctx.device)
     rows = []
     for name, cl in combos:
-        row = bench_one(args, name, cl, ctx)
+        try:
+            row = bench_one(args, name, cl, ctx)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         row["mfu"] = row["img_per_s"] * flops / 1e12 / (ceiling * row["devices"]) if ceiling == ceiling else None
         rows.append(row)
         if ctx.is_main:
-            print(f"bench: {name:9s} {'channels_last' if cl else 'contiguous':13s} "
+            print(f"bench: {name:9s} {'channels_last' if cl else 'contiguous':13s} compile={args.compile} "
                   f"{row['img_per_s']:9.0f} img/s", flush=True)
     if ctx.is_main:
         print(f"\n{args.arch}, global batch {args.batch_size}, {ctx.describe()}; "
-              f"{flops / 1e9:.1f} GFLOP/img (fwd+bwd); bf16 matmul ceiling {ceiling:.0f} TFLOP/s per GPU")
+              f"{flops / 1e9:.1f} GFLOP/img (fwd+bwd); bf16 matmul ceiling {ceiling:.0f} TFLOP/s per GPU; "
+              f"compile {args.compile}, optimizer {args.optimizer_impl}")
         print(f"| precision | layout | img/s (median) | spread (min..max) | peak GiB | MFU |")
         print("| --- | --- | ---: | --- | ---: | ---: |")
         for r in rows:

@@ -181,30 +181,41 @@ def phase_multigpu(args) -> None:
 
 def phase_bench(args) -> None:
     common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
-    runs = [] if args.skip_matrix else [("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json",
-                                         {"CUDA_VISIBLE_DEVICES": "0"})]
+    g0, two = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}
+    runs = []
+    if not args.skip_matrix:
+        runs.append(("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json", g0))
+    if args.fused_ab:
+        # The optimizer's skip decided on the device (fused SGD, the default on GPUs) against the
+        # host-synced decision (foreach), side by side in one run.
+        cl = "--matrix --precisions amp,fp16,amp-bf16 --layouts channels_last"
+        runs += [("bench-fused", f"{PY} {common} {cl} --optimizer-impl fused", g0),
+                 ("bench-foreach", f"{PY} {common} {cl} --optimizer-impl foreach", g0)]
     for name, cmd, env in runs:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
-        print(tail(os.path.join(args.out, name, "log.txt"), 20), flush=True)
+        print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
     best = args.bench_best
-    scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", {"CUDA_VISIBLE_DEVICES": "0"}),
-             ("bench-dp2", f"{PY} {common} --precision {best} --channels-last", {"CUDA_VISIBLE_DEVICES": "0,1"}),
-             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last",
-              {"CUDA_VISIBLE_DEVICES": "0,1"})]
+    scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", g0),
+             ("bench-dp2", f"{PY} {common} --precision {best} --channels-last", two),
+             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last", two)]
     for name, cmd, env in scale:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
     # Where DataParallel's time goes (it ran resnet18 at 28 px ~9x slower than one GPU here):
     # the same small step on one GPU, then on two with DataParallel under the profiler.
     small = "scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 --precision fp32"
-    run_group([{"name": "small-1gpu", "env": {"CUDA_VISIBLE_DEVICES": "0"},
-                "cmd": f"{PY} {small} --warmup 5 --steps 10 --windows 3"}], args)
+    run_group([{"name": "small-1gpu", "env": g0, "cmd": f"{PY} {small} --warmup 5 --steps 10 --windows 3"}], args)
     print(tail(os.path.join(args.out, "small-1gpu", "log.txt"), 3), flush=True)
     name = "profile-dp2"
-    run_group([{"name": name, "env": {"CUDA_VISIBLE_DEVICES": "0,1"},
-                "cmd": f"{PY} scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 "
-                       f"--precision fp32 --warmup 5 --steps 5 --windows 2 --profile 5"}], args)
+    run_group([{"name": name, "env": two,
+                "cmd": f"{PY} {small} --warmup 5 --steps 5 --windows 2 --profile 5"}], args)
     print(tail(os.path.join(args.out, name, "log.txt"), 40), flush=True)
+    for mode_prec in (args.compile_rows.split(",") if args.compile_rows else []):
+        prec = mode_prec
+        name = f"bench-compile-{prec}"
+        run_group([{"name": name, "env": g0,
+                    "cmd": f"{PY} {common} --precision {prec} --channels-last --compile default --warmup 20"}], args)
+        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
 
 
 def phase_recipe(args) -> None:
@@ -239,7 +250,9 @@ def main() -> int:
     p.add_argument("--bench-best", default="fp16", help="precision for the DP/DDP scaling rows")
     p.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
     p.add_argument("--bench-steps", type=int, default=20)
-    p.add_argument("--skip-matrix", action="store_true", help="bench: only the 1-GPU/DP/DDP rows and the profile")
+    p.add_argument("--skip-matrix", action="store_true", help="bench: no full precision x layout matrix")
+    p.add_argument("--fused-ab", action="store_true", help="bench: fused vs foreach optimizer, channels_last rows")
+    p.add_argument("--compile-rows", default="", help="bench: precisions to time with --compile default, e.g. fp16,amp-bf16")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
