@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .dataparallel import DataParallel
 from .errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """Put the (already precision-converted) model on its device and in its parallel wrapper."""
     model = model.to(ctx.device)
     if ctx.mode == "dp":
-        return nn.DataParallel(model, device_ids=ctx.device_ids)
+        return DataParallel(model, device_ids=ctx.device_ids)  # torch's, with per-GPU threads that persist
     if ctx.mode == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from imagenet.dataparallel import DataParallel
 from imagenet.models import create_model
 from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision, configure_tf32,
                                 iter_norm_modules)
@@ -40,24 +41,29 @@ def test_data_parallel_replicas_of_fp16_model_keep_fp32_batchnorm_and_same_weigh
             assert b.dtype == a.dtype and torch.equal(a, b.to(a.device)), name
 
 
+WRAPPERS = pytest.mark.parametrize("dp_class", [nn.DataParallel, DataParallel], ids=["torch", "persistent"])
+
+
 @two_gpus
-def test_data_parallel_fp16_forward_equals_single_gpu():
+@WRAPPERS
+def test_data_parallel_fp16_forward_equals_single_gpu(dp_class):
     model, prec = _fp16_resnet()
     model.eval()
     x = torch.randn(16, 3, 28, 28, device="cuda:0")
     with torch.no_grad():
         single = prec.forward(model, x)
-        dp = prec.forward(nn.DataParallel(model, device_ids=[0, 1]), x)
+        dp = prec.forward(dp_class(model, device_ids=[0, 1]), x)
     torch.testing.assert_close(dp, single, rtol=0, atol=0)
 
 
 @two_gpus
-def test_data_parallel_fp16_training_step_matches_single_gpu():
+@WRAPPERS
+def test_data_parallel_fp16_training_step_matches_single_gpu(dp_class):
     """One step on 2 GPUs updates the fp32 masters as one GPU does (BN in eval so batches match)."""
     x = torch.randn(16, 3, 28, 28, device="cuda:0")
     y = torch.randint(0, 10, (16,), device="cuda:0")
     results = []
-    for wrap in (lambda m: m, lambda m: nn.DataParallel(m, device_ids=[0, 1])):
+    for wrap in (lambda m: m, lambda m: dp_class(m, device_ids=[0, 1])):
         model, prec = _fp16_resnet()
         opt = torch.optim.SGD(prec.param_groups([{"params": list(model.parameters())}]), lr=0.1, momentum=0.9)
         net = wrap(model)
@@ -107,8 +113,9 @@ def test_bf16_autocast_is_supported_here():
 
 
 @two_gpus
+@WRAPPERS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype):
+def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype, dp_class):
     """DataParallel's worker threads re-enter autocast with the thread default (fp16): bf16 must hold."""
     torch.manual_seed(0)
     model = create_model("resnet18", 10, small_stem=True).cuda()
@@ -116,7 +123,7 @@ def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype):
     model = prec.prepare_model(model)
     seen = []
     model.conv1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    net = nn.DataParallel(model, device_ids=[0, 1])
+    net = dp_class(model, device_ids=[0, 1])
     prec.forward(net, torch.randn(8, 3, 28, 28, device="cuda:0"))
     assert len(seen) == 2 and set(seen) == {dtype}
 
@@ -156,3 +163,29 @@ def test_a_16_bit_training_step_never_waits_for_the_host(mode):
     assert all(isinstance(s, torch.Tensor) for s in results)
     # Read at "print time", the device-held counts agree with the flags the steps returned.
     assert prec.skipped_steps == sum(not bool(s) for s in [first, *results])
+
+
+@two_gpus
+def test_persistent_data_parallel_reuses_its_threads_and_trains():
+    """The point of imagenet.dataparallel: each GPU's replica runs on the same thread every step
+    (cuDNN's plan cache is per thread), through forward and backward, in train mode."""
+    import threading
+
+    from imagenet.distributed import DistContext, wrap
+
+    model, prec = _fp16_resnet()
+    threads = []
+    model.conv1.register_forward_hook(lambda m, i, o: threads.append((o.device.index, threading.get_ident())))
+    net = wrap(model, DistContext("dp", torch.device("cuda", 0), "test", device_ids=[0, 1]))
+    assert isinstance(net, DataParallel)
+    opt = torch.optim.SGD(prec.param_groups([{"params": list(model.parameters())}]), lr=0.1, momentum=0.9)
+    x = torch.randn(16, 3, 28, 28, device="cuda:0")
+    y = torch.randint(0, 10, (16,), device="cuda:0")
+    for _ in range(3):
+        prec.backward(nn.functional.cross_entropy(prec.forward(net, x), y))
+        assert prec.step(opt)
+    per_device = {}
+    for dev, tid in threads:
+        per_device.setdefault(dev, set()).add(tid)
+    assert sorted(per_device) == [0, 1] and all(len(t) == 1 for t in per_device.values())
+    assert threading.get_ident() not in per_device[0] | per_device[1]
