@@ -110,6 +110,7 @@ class Config:
     seed: Optional[int] = None
     deterministic: bool = False  # deterministic cuDNN algorithms (slower)
     print_freq: int = 10
+    tensorboard: bool = False  # also write the per-epoch metrics to OUTPUT_DIR/tensorboard (needs tensorboard)
     progress: str = "auto"  # auto: a bar on a terminal, plain lines otherwise; bar; lines
     prof: int = -1  # >0: run only this many iterations of one epoch, for profiling
     config: Optional[str] = None

@@ -30,6 +30,7 @@ from .ema import ModelEma
 from .mixing import BatchMixer
 from .precision import Precision, build_precision, configure_tf32, describe, unwrap
 from .preemption import Preempted, StopRequest
+from .tblog import TensorBoardLog
 
 logger = logging.getLogger("imagenet")
 
@@ -285,13 +286,18 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
            start_epoch: int, best_acc1: float, start_step: int, ema, mixer) -> dict:
-    with StopRequest(ctx) as stop:
-        return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                       opts, start_epoch, best_acc1, start_step, stop, ema, mixer)
+    board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and ctx.is_main else None
+    try:
+        with StopRequest(ctx) as stop:
+            return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader,
+                           val_loader, opts, start_epoch, best_acc1, start_step, stop, ema, mixer, board)
+    finally:
+        if board is not None:
+            board.close()
 
 
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer) -> dict:
+            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer, board) -> dict:
     per_process = per_process_batch(cfg.batch_size, ctx)
     train_criterion = nn.CrossEntropyLoss().to(ctx.device) if mixer is not None else criterion
 
@@ -347,6 +353,8 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         if ctx.is_main:
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+            if board is not None:
+                board.write_epoch(record)
             if train["skipped_steps"]:
                 logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
                             epoch, train["skipped_steps"], train["steps"], precision.loss_scale)
