@@ -40,6 +40,8 @@ class Config:
     image_size: int = 224  # training crop (and validation crop unless --val-crop), pixels
     val_resize: int = 256  # validation images are resized to this (shorter side), then center-cropped
     val_crop: Optional[int] = None  # validation crop if not --image-size: train low-res, test at 224
+    progressive_resize: Optional[int] = None  # train at this many px first, growing to --image-size
+    progressive_ramp: Optional[str] = None  # "FIRST:LAST" epochs of that growth (default 0:3/4 of --epochs)
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound (fraction of the image)
     hflip: float = 0.5  # probability of a horizontal flip in training
     auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment (torchvision's)
@@ -160,7 +162,8 @@ def _optional_fields() -> frozenset:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-4`` as a number (YAML 1.1 insists on ``1.0e-4``)."""
+    """SafeLoader that also reads ``1e-4`` as a number (YAML 1.1 insists on ``1.0e-4``) and reads
+    ``2:26`` as the text it looks like, not as YAML 1.1's base-60 number 146."""
 
 
 _YamlLoader.add_implicit_resolver(
@@ -171,6 +174,14 @@ _YamlLoader.add_implicit_resolver(
                 |[-+]?\.(?:inf|Inf|INF)
                 |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."))
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+            or ":" not in rx.pattern or rx.pattern.startswith("^(?:[-+]?[0-9][0-9_]*\\.")]
+    for first, resolvers in _YamlLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,6 +357,18 @@ def validate(cfg: Config) -> None:
     need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
     need(cfg.val_resize >= crop, f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
                                  f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
+    if cfg.progressive_resize is not None:
+        need(8 <= cfg.progressive_resize < cfg.image_size,
+             f"--progressive-resize is the starting training crop, from 8 px to below --image-size "
+             f"({cfg.image_size}), got {cfg.progressive_resize}")
+        need(not cfg.dummy, "--progressive-resize needs image files: --dummy images have one fixed size")
+    if cfg.progressive_ramp is not None:
+        parts = cfg.progressive_ramp.split(":")
+        ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+        need(ok and int(parts[0]) < int(parts[1]) <= cfg.epochs,
+             f"--progressive-ramp is FIRST:LAST, two epochs with FIRST < LAST <= --epochs ({cfg.epochs}), "
+             f"e.g. 0:{max(1, round(0.75 * cfg.epochs))}; got {cfg.progressive_ramp!r}")
+        need(cfg.progressive_resize is not None, "--progressive-ramp needs --progressive-resize MIN_SIZE")
     need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
     need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
     need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")

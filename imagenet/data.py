@@ -101,11 +101,14 @@ class SafeImageFolder(datasets.ImageFolder):
         return classes, {c: i for i, c in enumerate(classes)}
 
     def __getitem__(self, key):
-        # (index, seed) keys come from SeededSampler: augmentations depend on the sample and
-        # the epoch alone, not on which worker read it or what it read before.
-        index, seed = key if isinstance(key, tuple) else (key, None)
+        # (index, seed[, size]) keys come from SeededSampler: augmentations depend on the sample
+        # and the epoch alone, not on which worker read it or what it read before; the size is
+        # the epoch's training resolution under --progressive-resize.
+        index, seed, size = (tuple(key) + (None,))[:3] if isinstance(key, tuple) else (key, None, None)
         if seed is not None:
             torch.manual_seed(seed)
+        if size is not None:
+            set_output_size(self.transform, size)
         path, target = self.samples[index]
         try:
             image = self.loader(path)
@@ -160,6 +163,11 @@ class SeededSampler(Sampler):
         self.seed = seed
         self.epoch = 0
         self.start = 0
+        self.image_size: Optional[int] = None  # set per epoch under --progressive-resize
+
+    def set_image_size(self, size: Optional[int]) -> None:
+        """Ask the dataset for ``size`` px training crops (travels with every key to the workers)."""
+        self.image_size = size
 
     def set_epoch(self, epoch: int) -> None:
         self.inner.set_epoch(epoch)
@@ -173,7 +181,10 @@ class SeededSampler(Sampler):
     def __iter__(self):
         base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
         for idx in list(self.inner)[self.start:]:
-            yield idx, (base + idx) % (2 ** 63)
+            if self.image_size is None:
+                yield idx, (base + idx) % (2 ** 63)
+            else:
+                yield idx, (base + idx) % (2 ** 63), self.image_size
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.start, 0)
@@ -190,6 +201,39 @@ class ShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def set_output_size(transform, size: int) -> None:
+    """Make a training transform (the fast decoder or torchvision's Compose) crop to ``size`` px."""
+    if isinstance(transform, TrainDecoder):
+        transform.size = size
+        return
+    for t in getattr(transform, "transforms", ()):
+        if isinstance(t, transforms.RandomResizedCrop):
+            t.size = (size, size)
+
+
+def image_size_at(epoch: int, cfg) -> int:
+    """The training crop of ``epoch``: --image-size, or under --progressive-resize MIN a linear ramp
+    from MIN (until the ramp's first epoch) to --image-size (from its last), in steps of 8 px."""
+    start = getattr(cfg, "progressive_resize", None)
+    if not start:
+        return cfg.image_size
+    first, last = progressive_ramp(cfg)
+    if epoch <= first:
+        return start
+    if epoch >= last:
+        return cfg.image_size
+    size = start + (cfg.image_size - start) * (epoch - first) / (last - first)
+    return int(size // 8 * 8)
+
+
+def progressive_ramp(cfg) -> tuple:
+    """(first, last) epoch of the --progressive-resize ramp; default from 0 to 3/4 of --epochs."""
+    if cfg.progressive_ramp:
+        first, last = (int(x) for x in cfg.progressive_ramp.split(":"))
+        return first, last
+    return 0, max(1, round(0.75 * cfg.epochs))
 
 
 def augment_policy(name: str):

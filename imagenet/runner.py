@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import checkpoint as ckpt_io
 from . import distributed, optim
 from .config import Config, parse_config
-from .data import DataBundle, build_datasets, build_loaders, per_process_batch
+from .data import DataBundle, build_datasets, build_loaders, image_size_at, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
@@ -321,6 +321,12 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         epoch_lr = optimizer.param_groups[0]["lr"]
         train_loader.sampler.set_epoch(epoch)
         train_loader.sampler.set_start(start_step * per_process)
+        size = image_size_at(epoch, cfg)
+        if cfg.progressive_resize:
+            train_loader.sampler.set_image_size(size)
+            if ctx.is_main and (epoch == start_epoch or size != image_size_at(epoch - 1, cfg)):
+                logger.info("=> epoch %d: training crops of %d px (--progressive-resize %d -> %d)", epoch, size,
+                            cfg.progressive_resize, cfg.image_size)
         every = cfg.save_every_steps
         on_step = (lambda done, e=epoch: save(e, done) if done % every == 0 else None) if every else None
         train = train_one_epoch(model, train_loader, train_criterion, optimizer, scheduler, precision, ctx, epoch,
@@ -345,7 +351,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         record = {"epoch": epoch, "lr": epoch_lr, "lr_end": optimizer.param_groups[0]["lr"], **train, **val,
                   "epoch_seconds": time.perf_counter() - epoch_start, "skipped_images": skipped,
                   "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
-                  "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode,
+                  "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode, "image_size": size,
                   "world_size": ctx.world_size}
         total_images += train["train_samples"]
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.

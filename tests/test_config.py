@@ -381,3 +381,12 @@ def test_cli_help(cli_results):
     assert "--fp16" in stdout
     assert "--batch-size" in stdout
     assert "Traceback" not in stderr
+
+
+def test_yaml_epoch_range_is_text_not_a_base_60_number(tmp_path):
+    """YAML 1.1 reads 2:26 as 146 (sexagesimal); a recipe means the range."""
+    path = tmp_path / "r.yaml"
+    path.write_text("epochs: 32\nimage-size: 192\nprogressive-resize: 160\nprogressive-ramp: 2:26\n"
+                    "weight-decay: 5e-5\n")
+    cfg = parse_config(["--config", str(path)])
+    assert cfg.progressive_ramp == "2:26" and cfg.weight_decay == pytest.approx(5e-5)
