@@ -49,6 +49,7 @@ class Config:
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
     no_jpeg_draft: bool = False  # fast pipeline: never decode JPEGs at reduced DCT scale
+    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
@@ -69,6 +70,7 @@ class Config:
     epochs: int = 90
     start_epoch: Optional[int] = None  # override the epoch to start at (default 0, or resumed)
     batch_size: int = 256  # GLOBAL batch over all devices/processes, images per optimizer step
+    accum_steps: int = 1  # forward/backward passes (micro-batches of b / accum) per optimizer step
     lr: float = 0.1  # peak learning rate for the global batch (not rescaled automatically)
     momentum: float = 0.9
     weight_decay: float = 1e-4  # L2 coefficient applied by SGD, per step
@@ -137,7 +139,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": ("off", "default", "reduce-overhead", "max-autotune")}
+            "compile": ("off", "default", "reduce-overhead", "max-autotune"), "decode": ("cpu", "gpu")}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
@@ -332,6 +334,7 @@ def validate(cfg: Config) -> None:
     need(cfg.arch in ARCHS, f"unknown architecture {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
+    need(cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
     need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
     need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
@@ -357,6 +360,11 @@ def validate(cfg: Config) -> None:
     need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
     need(cfg.val_resize >= crop, f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
                                  f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
+    if cfg.decode == "gpu":
+        need(cfg.data_pipeline == "fast", "--decode gpu is part of the fast pipeline; drop --data-pipeline classic")
+        need(cfg.auto_augment == "none" and cfg.random_erase == 0,
+             "--auto-augment and --random-erase run on decoded images in the workers; with --decode gpu the "
+             "workers never see pixels: use --decode cpu for those recipes")
     if cfg.progressive_resize is not None:
         need(8 <= cfg.progressive_resize < cfg.image_size,
              f"--progressive-resize is the starting training crop, from 8 px to below --image-size "

@@ -21,6 +21,7 @@ from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 from .decode import TrainDecoder, ValDecoder, path_identity
+from .gpudecode import JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .errors import UserError
 from .prefetch import DeviceLoader
 
@@ -143,7 +144,10 @@ def collate_skipping(batch: Sequence) -> tuple:
     skipped = [p for img, _, p in batch if img is None]
     if not good:
         return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
-    images = torch.stack([g[0] for g in good])
+    if any(isinstance(g[0], JpegJob) for g in good):  # --decode gpu: the device decodes them
+        images = JpegBatch([g[0] for g in good])
+    else:
+        images = torch.stack([g[0] for g in good])
     targets = torch.tensor([g[1] for g in good], dtype=torch.long)
     return images, targets, skipped
 
@@ -205,7 +209,7 @@ class ShardSampler(Sampler):
 
 def set_output_size(transform, size: int) -> None:
     """Make a training transform (the fast decoder or torchvision's Compose) crop to ``size`` px."""
-    if isinstance(transform, TrainDecoder):
+    if isinstance(transform, (TrainDecoder, TrainJpegReader)):
         transform.size = size
         return
     for t in getattr(transform, "transforms", ()):
@@ -293,6 +297,8 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
         train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft,
                                 augment=augment_policy(cfg.auto_augment), erase=erase)
         val_tf, loader = ValDecoder(_val_crop(cfg), cfg.val_resize, draft=draft), path_identity
+        if getattr(cfg, "decode", "cpu") == "gpu":  # workers read bytes and draw crops; the GPU decodes
+            train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
     else:
         train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip, cfg.auto_augment, cfg.random_erase)
         val_tf, loader = val_transform(_val_crop(cfg), cfg.val_resize), default_loader
@@ -318,16 +324,30 @@ def per_process_batch(batch_size: int, ctx) -> int:
     return batch_size
 
 
+def micro_batch(cfg, ctx) -> int:
+    """Images per forward pass in one process: the process's share of ``-b``, split over
+    ``--accum-steps`` gradient-accumulation passes."""
+    per_process = per_process_batch(cfg.batch_size, ctx)
+    accum = getattr(cfg, "accum_steps", 1)
+    if per_process % accum:
+        share = f"each of {ctx.world_size} processes takes {per_process}" if ctx.distributed else f"-b {per_process}"
+        raise UserError(f"--accum-steps {accum} must divide the batch of each process ({share}): each forward "
+                        f"pass takes an equal part; use -b {per_process // accum * accum * (ctx.world_size if ctx.distributed else 1)} "
+                        f"or another --accum-steps")
+    return per_process // accum
+
+
 def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     """(train_loader, val_loader) yielding device-ready batches; ``train_loader.sampler.set_epoch``
     reshuffles per epoch."""
-    batch = per_process_batch(cfg.batch_size, ctx)
+    batch = micro_batch(cfg, ctx)
     n_train = len(data.train)
     # One shuffling scheme for every mode (a single process is a world of one), so a DDP run's
     # global batches hold the same images as a single-process run with the same seed.
     world, rank = (ctx.world_size, ctx.rank) if ctx.distributed else (1, 0)
-    if n_train // world < batch:
-        raise UserError(f"the training set has {n_train} images, fewer than one batch of {batch} per "
+    step_images = batch * getattr(cfg, "accum_steps", 1)
+    if n_train // world < step_images:
+        raise UserError(f"the training set has {n_train} images, fewer than one batch of {step_images} per "
                         f"process; lower -b/--batch-size (now {cfg.batch_size})")
     # No padding with repeated images: a DDP epoch has as many global steps as a single-process
     # epoch of the same global batch. Augmentations are seeded per sample (SeededSampler), so

@@ -6,6 +6,7 @@ mode beyond the reductions of :mod:`distributed`. Device values are read only at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -34,6 +35,7 @@ class LoopOptions:
     max_steps: Optional[int] = None  # --prof: stop early
     max_nonfinite_steps: int = 200
     input_shape: tuple = (3, 224, 224)  # of one image, for a stand-in batch (see train_one_epoch)
+    accum_steps: int = 1  # loader batches (micro-batches) per optimizer step
 
 
 def _progress(loader, enabled: bool, desc: str):
@@ -61,63 +63,68 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                     on_step: Optional[Callable[[int], None]] = None, ema=None, mixer=None) -> dict:
     """One pass over the training loader (device-ready batches); returns the reduced metrics.
 
-    ``start_step`` batches of this epoch were done before (the loader already skips them);
-    after each step ``on_step(steps_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()``
-    may end the epoch early (preemption); the result then says ``completed: False``. ``ema``
-    (an :class:`imagenet.ema.ModelEma`) follows every step that changed the weights; ``mixer``
+    Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
+    gradients add up (each loss divided by the count, so the step sees the mean over all of
+    them) and, under DDP, are all-reduced once, with the last one. ``start_step`` batches of this
+    epoch were done before (the loader already skips them); after each optimizer step
+    ``on_step(batches_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()`` may end the
+    epoch early (preemption); the result then says ``completed: False``. ``ema`` (an
+    :class:`imagenet.ema.ModelEma`) follows every optimizer step; ``mixer``
     (:class:`imagenet.mixing.BatchMixer`) turns batches into mixup/cutmix ones with soft labels.
     """
     model.train()
+    accum = opts.accum_steps
     sums = DeviceSums(ctx.device)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
-    total = start_step + len(loader)
+    total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
     n = total if opts.max_steps is None else min(total, opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
     steps = 0
     skipped_before = precision.skipped_steps
     last_good = None
+    group_has_data = False
     completed, done = True, start_step
     start = end = time.perf_counter()
     for i, (images, targets, bad) in enumerate(loader, start=start_step):
         if i >= n:
             break
         done = i + 1  # batches of this epoch consumed, the unreadable ones included
+        last_micro = done % accum == 0
         skipped_paths += bad
         data_time.update(time.perf_counter() - end)
         weight = 1.0
         # Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
         # when the last feature map is 1x1.
         if targets.numel() == 0 or (targets.numel() == 1 and bad):
-            if not ctx.distributed:
-                continue
-            # Other ranks wait for this rank's gradients: take part with a zero-weight batch.
-            images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
-            weight = 0.0
+            if ctx.distributed:
+                # Other ranks wait for this rank's gradients: take part with a zero-weight batch.
+                images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
+                weight = 0.0
+            else:
+                images = None
         else:
             last_good = (images, targets)
-        labels = targets
-        if mixer is not None and weight:
-            images, labels = mixer(images, targets)
-        output = precision.forward(model, images)
-        loss = criterion(output, labels) * weight
-        precision.backward(loss)
-        stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
-        if ema is not None:
-            ema.update(stepped)
-        if steps == 0:
-            with warnings.catch_warnings():
-                # A skipped (overflowing) first step makes torch warn that the schedule runs
-                # ahead of the optimizer; stepping it every iteration regardless is the intent.
-                warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
-                scheduler.step()
-        else:
-            scheduler.step()
-        steps += 1
-        if weight:
-            sums.add(loss, output, targets)
-        nonfinite_run = (nonfinite_run + 1) * (~torch.isfinite(loss.detach()))
+        if images is not None:
+            group_has_data = True
+            labels = targets
+            if mixer is not None and weight:
+                images, labels = mixer(images, targets)
+            with _grad_sync(model, last_micro):
+                output = precision.forward(model, images)
+                loss = criterion(output, labels) * weight
+                precision.backward(loss if accum == 1 else loss / accum)
+            if weight:
+                sums.add(loss, output, targets)
+            nonfinite_run = (nonfinite_run + 1) * (~torch.isfinite(loss.detach()))
+        if last_micro and group_has_data:
+            group_has_data = False
+            stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
+            if ema is not None:
+                ema.update(stepped)
+            _schedule(scheduler, first=steps == 0)
+            steps += 1
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
         if bar is not None:
@@ -129,6 +136,8 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
             elif ctx.is_main:
                 logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
+        if not last_micro:
+            continue  # checkpoints and stops only between optimizer steps
         if on_step is not None:
             on_step(i + 1)
         if i + 1 < n and stop():
@@ -145,6 +154,25 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
             "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
             "steps_done": done}
+
+
+def _grad_sync(model: nn.Module, sync: bool):
+    """DDP's ``no_sync()`` for micro-batches whose gradients are still being accumulated."""
+    net = getattr(model, "_orig_mod", model)  # a compiled DDP wrapper
+    if not sync and isinstance(net, nn.parallel.DistributedDataParallel):
+        return net.no_sync()
+    return contextlib.nullcontext()
+
+
+def _schedule(scheduler, first: bool) -> None:
+    if not first:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        # A skipped (overflowing) first step makes torch warn that the schedule runs ahead of
+        # the optimizer; stepping it every iteration regardless is the intent.
+        warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
+        scheduler.step()
 
 
 def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:

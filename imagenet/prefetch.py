@@ -12,6 +12,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .gpudecode import JpegBatch, decode_batch
+
 
 class DeviceLoader:
     """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
@@ -25,6 +27,7 @@ class DeviceLoader:
         std_t = torch.tensor(std, dtype=torch.float32)
         self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(device)
         self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
+        self._counts = {"gpu": 0, "cpu": 0}
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -42,11 +45,26 @@ class DeviceLoader:
             return images.contiguous(memory_format=torch.channels_last)
         return images
 
+    def decode_counts(self) -> dict:
+        """Images decoded on the device / on a CPU instead (``--decode gpu``) since the last call."""
+        counts, self._counts = self._counts, {"gpu": 0, "cpu": 0}
+        return counts
+
     def _to_device(self, batch) -> tuple:
         images, targets, skipped = batch
         if targets.numel() == 0:
             return images, targets, skipped
-        images = images.to(self.device, non_blocking=True)
+        if isinstance(images, JpegBatch):
+            images, keep, bad, counts = decode_batch(images, self.device)
+            for k, v in counts.items():
+                self._counts[k] += v
+            if bad:
+                targets = targets[torch.tensor(keep)]
+                skipped = skipped + bad
+            if targets.numel() == 0:
+                return torch.empty(0), targets, skipped
+        else:
+            images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         return self._convert(images), targets, skipped
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import checkpoint as ckpt_io
 from . import distributed, optim
 from .config import Config, parse_config
-from .data import DataBundle, build_datasets, build_loaders, image_size_at, per_process_batch
+from .data import DataBundle, build_datasets, build_loaders, image_size_at, micro_batch, per_process_batch
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
@@ -117,6 +117,9 @@ def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, sou
     logger.info("=> precision: %s", describe(precision, cfg.tf32, ctx.device))
     logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
+    if cfg.accum_steps > 1:
+        logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
+                    "optimizer step", cfg.accum_steps, micro_batch(cfg, ctx))
 
 
 def run(cfg: Config) -> dict:
@@ -144,6 +147,8 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         source = "synthetic data (--dummy)"
     else:
         source = root if cfg.data else f"built-in MNIST-5k ({root})"
+    if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":
+        raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
     train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
 
     model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
@@ -166,7 +171,8 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
     optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
                                       ctx.device)
-    iters = len(train_loader) if cfg.prof < 0 else min(len(train_loader), cfg.prof)
+    iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
+    iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
     if ctx.is_main:
@@ -198,11 +204,11 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                 "last": {}}
     # The schedule is a function of the iteration: start it where this epoch begins, also when
     # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
-    _align_schedule(scheduler, start_epoch * iters + start_step)
+    _align_schedule(scheduler, start_epoch * iters + start_step // cfg.accum_steps)
 
     progress = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
-    opts = LoopOptions(cfg.print_freq, progress, cfg.prof if cfg.prof > 0 else None, cfg.max_nonfinite_steps,
-                       (3, cfg.image_size, cfg.image_size))
+    opts = LoopOptions(cfg.print_freq, progress, cfg.prof * cfg.accum_steps if cfg.prof > 0 else None,
+                       cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
     if cfg.evaluate:
         result = validate(model, val_loader, criterion, precision, ctx, opts)
         result.pop("skipped_paths")
@@ -274,10 +280,12 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
         if ctx.rank:
             torch.manual_seed(torch.initial_seed() + ctx.rank)
     epoch, best, step = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), int(ckpt.get("step_in_epoch", 0))
-    saved_batch = (ckpt.get("config") or {}).get("batch_size", cfg.batch_size)
-    if step and saved_batch != cfg.batch_size:
-        logger.warning("=> %s stopped mid-epoch at batch size %s; with -b %d the epoch restarts from its "
-                       "beginning", path, saved_batch, cfg.batch_size)
+    saved = ckpt.get("config") or {}
+    saved_batch, saved_accum = saved.get("batch_size", cfg.batch_size), saved.get("accum_steps", 1)
+    if step and (saved_batch, saved_accum) != (cfg.batch_size, cfg.accum_steps):
+        logger.warning("=> %s stopped mid-epoch at batch size %s with %s accumulation step(s); with -b %d and "
+                       "--accum-steps %d the epoch restarts from its beginning", path, saved_batch, saved_accum,
+                       cfg.batch_size, cfg.accum_steps)
         step = 0
     logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, epoch,
                 f", step {step}" if step else "", best)
@@ -298,7 +306,7 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
 
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
             start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer, board) -> dict:
-    per_process = per_process_batch(cfg.batch_size, ctx)
+    per_process = micro_batch(cfg, ctx)  # images per loader batch in this process
     train_criterion = nn.CrossEntropyLoss().to(ctx.device) if mixer is not None else criterion
 
     def save(epoch: int, step: int, is_best: bool = False) -> None:
@@ -328,7 +336,8 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
                 logger.info("=> epoch %d: training crops of %d px (--progressive-resize %d -> %d)", epoch, size,
                             cfg.progressive_resize, cfg.image_size)
         every = cfg.save_every_steps
-        on_step = (lambda done, e=epoch: save(e, done) if done % every == 0 else None) if every else None
+        on_step = ((lambda done, e=epoch: save(e, done) if (done // cfg.accum_steps) % every == 0 else None)
+                   if every else None)
         train = train_one_epoch(model, train_loader, train_criterion, optimizer, scheduler, precision, ctx, epoch,
                                 opts, start_step=start_step, stop=stop.should_stop, on_step=on_step, ema=ema,
                                 mixer=mixer)
@@ -353,6 +362,9 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
                   "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
                   "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode, "image_size": size,
                   "world_size": ctx.world_size}
+        if cfg.decode == "gpu":  # images nvJPEG decoded / decoded on a CPU instead, train + val
+            counts = [loader.decode_counts() for loader in (train_loader, val_loader)]
+            record.update(decoded_on_gpu=sum(c["gpu"] for c in counts), decode_fallbacks=sum(c["cpu"] for c in counts))
         total_images += train["train_samples"]
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)

@@ -154,10 +154,15 @@ def bench_data(args) -> int:
                                collate_skipping)
     from imagenet.prefetch import DeviceLoader
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "gpu" in args.pipelines.split(",") and device.type != "cuda":
+        print("error: the gpu pipeline (--decode gpu) needs a CUDA GPU; drop it from --pipelines", file=sys.stderr)
+        return 2
     results = {}
     for pipeline in args.pipelines.split(","):
-        cfg = Config(data=args.dir, data_pipeline=pipeline, image_size=args.image_size, workers=args.workers,
-                     batch_size=args.batch_size)
+        # "gpu": the fast pipeline with --decode gpu (workers read bytes, nvJPEG decodes on the device)
+        cfg = Config(data=args.dir, data_pipeline="fast" if pipeline == "gpu" else pipeline,
+                     decode="gpu" if pipeline == "gpu" else "cpu", image_size=args.image_size,
+                     workers=args.workers, batch_size=args.batch_size)
         validate(cfg)
         try:
             data = build_datasets(cfg, args.dir)
@@ -234,7 +239,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("data", help="input-pipeline throughput (decode, crop, collate, to device)")
     d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
     d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--pipelines", default="classic,fast", help="comma list of classic,fast")
+    d.add_argument("--pipelines", default="classic,fast",
+                   help="comma list of classic,fast,gpu (gpu: fast with --decode gpu; needs CUDA)")
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--image-size", type=int, default=224)
     d.add_argument("--warmup", type=int, default=4, help="untimed batches (worker start-up)")

@@ -5,6 +5,8 @@
     python scripts/gpu_verify.py precision  # Fashion-MNIST, 1 GPU: fp32 vs fp16 (static/dynamic) vs amp
     python scripts/gpu_verify.py multigpu   # the report's commands on 2 GPUs: DataParallel and DDP
     python scripts/gpu_verify.py bench      # resnet50 step throughput: precision x layout; 1 GPU, DP, DDP
+    python scripts/gpu_verify.py recipe     # fp16 recipe plain vs weight average + label smoothing, a plot
+    python scripts/gpu_verify.py jpeg       # JPEG input pipelines: classic / CPU decode / GPU decode
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -196,11 +198,19 @@ def phase_bench(args) -> None:
         print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
     best = args.bench_best
     scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", g0),
+             # each DDP rank's share of the global batch, on one GPU: the ideal per-rank rate
+             ("bench-1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} "
+                                 f"--precision {best} --channels-last", g0),
              ("bench-dp2", f"{PY} {common} --precision {best} --channels-last", two),
-             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last", two)]
+             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last",
+              dict(two, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P"))]
     for name, cmd, env in scale:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
+    # Which transport NCCL chose between the two GPUs (P2P over NVLink, or SHM through the host).
+    log = os.path.join(args.out, "bench-ddp2", "log.txt")
+    lines = [ln.strip() for ln in open(log) if " via " in ln] if os.path.exists(log) else []
+    print("NCCL transport:", *sorted({ln.split("NCCL INFO")[-1] for ln in lines})[:8], sep="\n  ")
     # Where DataParallel's time goes (it ran resnet18 at 28 px ~9x slower than one GPU here):
     # the same small step on one GPU, then on two with DataParallel under the profiler.
     small = "scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 --precision fp32"
@@ -216,6 +226,27 @@ def phase_bench(args) -> None:
         run_group([{"name": name, "env": g0,
                     "cmd": f"{PY} {common} --precision {prec} --channels-last --compile default --warmup 20"}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
+
+
+def phase_jpeg(args) -> None:
+    """Input pipelines on ImageNet-shaped JPEGs: loader throughput (classic / fast CPU decode /
+    GPU decode) and end-to-end ResNet-50 training steps with CPU and with GPU decode."""
+    data = "/tmp/bench_jpeg"
+    if not os.path.isdir(os.path.join(data, "train")):
+        cmd = f"{PY} scripts/make_benchmark_imagefolder.py {data} --classes 100 --train-per-class 60 --val-per-class 4"
+        print("$", cmd, flush=True)
+        if sh(cmd, os.path.join(args.out, "make_jpeg.log")).returncode:
+            sys.exit("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
+    g0 = {"CUDA_VISIBLE_DEVICES": "0"}
+    w = args.workers
+    runs = [("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 --batches 4 "
+                               f"--windows 5 --pipelines classic,fast,gpu", g0)]
+    train = (f"main.py {data} -a resnet50 -b 256 --amp --channels-last -j {w} --epochs 1 --prof 20 -p 5 "
+             f"--output-dir OUT")
+    runs += [("e2e-cpu-decode", f"{PY} {train}", g0), ("e2e-gpu-decode", f"{PY} {train} --decode gpu", g0)]
+    for name, cmd, env in runs:
+        run_group([{"name": name, "cmd": cmd, "env": env}], args)
+        print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
 
 
 def phase_recipe(args) -> None:
@@ -240,7 +271,7 @@ def phase_recipe(args) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe"))
+    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe", "jpeg"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -257,7 +288,7 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
-     "recipe": phase_recipe}[args.phase](args)
+     "recipe": phase_recipe, "jpeg": phase_jpeg}[args.phase](args)
     return 0
 
 

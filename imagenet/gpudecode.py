@@ -1,0 +1,177 @@
+"""``--decode gpu``: workers read JPEG bytes and draw the crop; the GPU decodes, crops and resizes.
+
+Workers do what needs no pixels: read the file, read the header size, draw the RandomResizedCrop
+box and the flip from the per-sample seeded RNG exactly as the CPU path does (so ``--seed``
+gives the same crops either way), and ship the compressed bytes (a tenth of the decoded size).
+On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
+the batch; each image is cropped, resized with antialiased bilinear interpolation (PIL's
+filter, so the pixels match the CPU path within rounding) and flipped there.
+
+Fallbacks, counted per epoch in metrics.jsonl: files that are not baseline RGB/greyscale JPEGs
+(PNG, CMYK JPEG, ...) are decoded on the CPU in the worker as before; a JPEG that the GPU
+decoder rejects is decoded on the CPU in the main process; a file neither can read is skipped
+like any unreadable image.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+_JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
+
+
+@dataclass
+class JpegJob:
+    """One image to decode on the device: compressed bytes and what to do with the pixels."""
+
+    data: torch.Tensor  # uint8, the file's bytes
+    path: str
+    # train: (top, left, height, width) crop in full-resolution pixels, then resize to out x out;
+    # val: resize to (height, width) first, then crop out x out at (top, left).
+    kind: str
+    box: tuple
+    out: int
+    flip: bool = False
+
+
+@dataclass
+class JpegBatch:
+    """A collated batch mixing device jobs and images the worker already decoded (fallbacks)."""
+
+    items: list  # JpegJob or uint8 HWC tensor, in batch order
+
+    def pin_memory(self, device=None):  # the DataLoader's pin-memory thread: bytes stay pageable
+        return self
+
+
+def _read_bytes(path: str) -> torch.Tensor:
+    with open(path, "rb") as fh:
+        return torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
+
+
+class TrainJpegReader:
+    """Worker side of the training transform: path -> JpegJob, or the CPU decoder's image."""
+
+    def __init__(self, cpu_decoder):
+        self.cpu = cpu_decoder  # a decode.TrainDecoder: same crop distribution, same RNG draws
+
+    @property
+    def size(self) -> int:
+        return self.cpu.size
+
+    @size.setter
+    def size(self, value: int) -> None:  # --progressive-resize
+        self.cpu.size = value
+
+    def __call__(self, path: str):
+        with Image.open(path) as img:
+            if img.format != "JPEG" or img.mode not in _JPEG_MODES:
+                return self.cpu(path)  # decoded here: counted as a worker fallback
+            top, left, height, width = self.cpu.crop_params(img)
+            flip = self.cpu.hflip > 0 and torch.rand(1).item() < self.cpu.hflip
+        return JpegJob(_read_bytes(path), path, "train", (top, left, height, width), self.cpu.size, flip)
+
+
+class ValJpegReader:
+    """Worker side of the validation transform: Resize(shorter side) + CenterCrop, deferred."""
+
+    def __init__(self, cpu_decoder):
+        self.cpu = cpu_decoder  # a decode.ValDecoder
+
+    def __call__(self, path: str):
+        with Image.open(path) as img:
+            if img.format != "JPEG" or img.mode not in _JPEG_MODES:
+                return self.cpu(path)
+            w, h = img.size
+        resize, size = self.cpu.resize, self.cpu.size
+        # torchvision's Resize(int): the shorter side becomes `resize`, the other is truncated.
+        new_w, new_h = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
+        top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+        return JpegJob(_read_bytes(path), path, "val", (top, left, new_h, new_w), size)
+
+
+def _resize(img: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 CHW -> uint8 CHW, antialiased bilinear (PIL's filter when shrinking)."""
+    if img.shape[-2:] == (height, width):
+        return img
+    x = F.interpolate(img[None].float(), size=(height, width), mode="bilinear", antialias=True,
+                      align_corners=False)
+    return x.round_().clamp_(0, 255)[0].to(torch.uint8)
+
+
+def _apply(job: JpegJob, img: torch.Tensor) -> torch.Tensor:
+    """Crop/resize/flip a decoded CHW uint8 image as the job says; returns HWC uint8."""
+    if job.kind == "train":
+        top, left, height, width = job.box
+        out = _resize(img[:, top:top + height, left:left + width], job.out, job.out)
+        if job.flip:
+            out = out.flip(-1)
+    else:
+        top, left, new_h, new_w = job.box
+        out = _resize(img, new_h, new_w)[:, top:top + job.out, left:left + job.out]
+    return out.permute(1, 2, 0)
+
+
+def _cpu_decode(job: JpegJob) -> Optional[torch.Tensor]:
+    try:
+        with Image.open(io.BytesIO(job.data.numpy().tobytes())) as img:
+            arr = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
+    except Exception:
+        return None
+    return torch.from_numpy(arr).permute(2, 0, 1)
+
+
+def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
+    """Decode a JpegBatch on ``device``.
+
+    Returns ``(images, keep, bad_paths, counts)``: uint8 NHWC images of the readable items,
+    a bool list over ``batch.items`` saying which made it, the paths of the unreadable ones,
+    and ``{"gpu": n, "cpu": m}`` (images decoded on the device / fallbacks on a CPU).
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    jobs = [(i, it) for i, it in enumerate(batch.items) if isinstance(it, JpegJob)]
+    decoded: dict = {}
+    if jobs:
+        datas = [job.data for _, job in jobs]
+        try:
+            images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # one bad file fails the batched call: decode one by one
+            images = []
+            for data in datas:
+                try:
+                    images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+                except RuntimeError:
+                    images.append(None)
+        for (i, job), img in zip(jobs, images):
+            decoded[i] = img
+    out, keep, bad = [], [], []
+    counts = {"gpu": 0, "cpu": 0}
+    for i, item in enumerate(batch.items):
+        if not isinstance(item, JpegJob):  # the worker decoded it (not a plain JPEG)
+            out.append(item.to(device, non_blocking=True))
+            keep.append(True)
+            counts["cpu"] += 1
+            continue
+        img = decoded.get(i)
+        if img is None:
+            img = _cpu_decode(item)  # nvJPEG refused it (e.g. a progressive or odd JPEG)
+            if img is None:
+                bad.append(item.path)
+                keep.append(False)
+                continue
+            img = img.to(device)
+            counts["cpu"] += 1
+        else:
+            counts["gpu"] += 1
+        out.append(_apply(item, img))
+        keep.append(True)
+    images = torch.stack(out) if out else torch.empty(0, dtype=torch.uint8, device=device)
+    return images, keep, bad, counts

@@ -1,0 +1,107 @@
+"""--accum-steps: several forward/backward passes per optimizer step, -b stays the step's batch."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from imagenet import engine
+from imagenet.distributed import DistContext
+from imagenet.engine import LoopOptions, train_one_epoch
+from imagenet.optim import build_optimizer
+from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
+from imagenet.runner import main
+from tests.test_preemption import args, assert_same_run, weights
+
+CPU = DistContext("cpu", torch.device("cpu"), "test")
+
+
+def net():
+    torch.manual_seed(0)  # no BatchNorm: its statistics are per forward pass, so only then is the math equal
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 5))
+
+
+def data(n_images=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_images, 3, 8, 8, generator=g), torch.randint(0, 5, (n_images,), generator=g)
+
+
+def run(precision, accum, micro):
+    images, targets = data()
+    loader = [(images[i:i + micro], targets[i:i + micro], []) for i in range(0, len(images), micro)]
+    model = precision.prepare_model(net())
+    opt = build_optimizer(precision.param_groups([{"params": list(model.parameters())}]), 0.1, 0.9, 1e-4,
+                          "foreach", torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, precision, CPU, 0,
+                          LoopOptions(print_freq=100, accum_steps=accum, input_shape=(3, 8, 8)))
+    return model, precision, sched, out
+
+
+@pytest.mark.parametrize("make", [Precision, lambda: MasterWeightPrecision(LossScaler(256, dynamic=False),
+                                                                         model_dtype=torch.float32)])
+def test_four_passes_of_4_equal_one_of_16(make):
+    big, p_big, s_big, o_big = run(make(), accum=1, micro=16)
+    small, p_small, s_small, o_small = run(make(), accum=4, micro=4)
+    assert o_big["steps"] == o_small["steps"] == 2
+    assert s_big.last_epoch == s_small.last_epoch == 2  # the schedule counts optimizer steps
+    assert o_small["train_samples"] == 32 and o_small["train_loss"] == pytest.approx(o_big["train_loss"], rel=1e-5)
+    for a, b in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_last_incomplete_group_is_dropped():
+    _, _, sched, out = run(Precision(), accum=3, micro=4)  # 8 micro-batches: 2 steps of 3, 2 left over
+    assert out["steps"] == 2 and sched.last_epoch == 2 and out["steps_done"] == 6
+
+
+def test_ddp_accumulates_without_all_reducing_until_the_last_pass(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(net())
+        with engine._grad_sync(model, sync=False):
+            assert not model.require_backward_grad_sync
+        with engine._grad_sync(model, sync=True):
+            assert model.require_backward_grad_sync
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trainer_resumes_an_accumulating_run_bit_exactly(digits, tmp_path):
+    # -b 8 as two passes of 4: 10 optimizer steps per epoch of the 80 training digits.
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    assert main(args(digits, straight, "--accum-steps", "2")) == 0
+    rows = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    assert [r["steps"] for r in rows] == [10, 10] and rows[0]["train_samples"] == 80
+    assert main(args(digits, resumed, "--accum-steps", "2", "--epochs", "1")) == 0
+    assert main(args(digits, resumed, "--accum-steps", "2", "--resume", "auto")) == 0
+    assert_same_run(weights(straight), weights(resumed))
+
+
+def test_mid_epoch_checkpoints_fall_between_optimizer_steps(digits, tmp_path, monkeypatch):
+    steps_seen = []
+    real = engine.train_one_epoch
+
+    def crash(*a, **k):
+        on_step = k["on_step"]
+
+        def hook(done):
+            steps_seen.append(done)
+            on_step(done)
+            if done == 6:
+                raise KeyboardInterrupt
+        return real(*a, **dict(k, on_step=hook))
+    monkeypatch.setattr("imagenet.runner.train_one_epoch", crash)
+    assert main(args(digits, tmp_path, "--accum-steps", "2", "--save-every-steps", "3")) == 130
+    assert steps_seen == [2, 4, 6]  # loader batches done, only at the end of a step
+    assert (weights(tmp_path)["epoch"], weights(tmp_path)["step_in_epoch"]) == (0, 6)
+
+
+def test_batch_that_does_not_split_is_refused(digits, tmp_path, capsys):
+    assert main(args(digits, tmp_path, "--accum-steps", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--accum-steps 3 must divide" in err and "-b 6" in err

@@ -1,0 +1,154 @@
+"""--decode gpu: workers ship JPEG bytes and crop boxes; the device decodes. On the CPU the same
+code runs with torchvision's CPU decoder, which proves the geometry against the CPU pipeline."""
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from imagenet.config import Config, validate
+from imagenet.data import SafeImageFolder, collate_skipping, set_output_size
+from imagenet.decode import TrainDecoder, ValDecoder, path_identity
+from imagenet.errors import UserError
+from imagenet.gpudecode import JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.prefetch import DeviceLoader
+from imagenet.runner import main
+
+CPU = torch.device("cpu")
+
+
+def photo(h, w, seed):
+    """A smooth colour image (JPEG-friendly, like a photograph)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.BICUBIC)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jpegs")
+    paths = []
+    for i, (h, w) in enumerate([(120, 160), (160, 120), (97, 131), (64, 64)]):
+        p = root / f"{i}.JPEG"
+        photo(h, w, i).save(p, "JPEG", quality=90)
+        paths.append(str(p))
+    grey = root / "grey.JPEG"
+    photo(90, 70, 9).convert("L").save(grey, "JPEG")
+    cmyk = root / "cmyk.JPEG"
+    photo(80, 100, 7).convert("CMYK").save(cmyk, "JPEG")
+    png = root / "png-named.JPEG"
+    photo(70, 90, 8).save(png, "PNG")
+    bad = root / "truncated.JPEG"
+    data = io.BytesIO()
+    photo(120, 160, 5).save(data, "JPEG")
+    bad.write_bytes(data.getvalue()[:200])
+    return {"jpeg": paths, "grey": str(grey), "cmyk": str(cmyk), "png": str(png), "bad": str(bad)}
+
+
+def decode_one(reader, path, seed=0):
+    torch.manual_seed(seed)
+    item = reader(path)
+    images, keep, bad, counts = decode_batch(JpegBatch([item]), CPU)
+    return item, images, keep, counts
+
+
+@pytest.mark.parametrize("size", [32, 56])
+def test_train_crops_match_the_cpu_decoder_within_rounding(files, size):
+    for k, path in enumerate(files["jpeg"] + [files["grey"]]):
+        cpu = TrainDecoder(size, 0.3, 0.5, draft=False)
+        torch.manual_seed(k)
+        want = cpu(path)
+        item, got, keep, counts = decode_one(TrainJpegReader(TrainDecoder(size, 0.3, 0.5, draft=False)), path, k)
+        assert isinstance(item, JpegJob) and keep == [True] and counts == {"gpu": 1, "cpu": 0}
+        assert got.shape == (1, size, size, 3) and got.dtype == torch.uint8
+        diff = (got[0].int() - want.int()).abs()
+        # the same crop box and flip; PIL's fixed-point filter vs torch's float one: rounding only
+        assert diff.float().mean() < 1.0 and diff.max() <= 3, (path, diff.float().mean(), diff.max())
+
+
+def test_val_resize_and_center_crop_match_the_cpu_decoder(files):
+    for path in files["jpeg"]:
+        want = ValDecoder(48, 56, draft=False)(path)
+        _, got, _, _ = decode_one(ValJpegReader(ValDecoder(48, 56, draft=False)), path)
+        diff = (got[0].int() - want.int()).abs()
+        assert got.shape == (1, 48, 48, 3) and diff.float().mean() < 1.0 and diff.max() <= 3
+
+
+def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    for path in (files["png"], files["cmyk"]):
+        item, images, keep, counts = decode_one(reader, path)
+        assert isinstance(item, torch.Tensor) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
+
+
+def garbage_job(path="garbage.JPEG"):
+    # A header that passed the worker's check, then bytes no decoder can read.
+    return JpegJob(torch.frombuffer(bytearray(b"\xff\xd8garbage" * 8), dtype=torch.uint8), path, "train",
+                   (0, 0, 8, 8), 32)
+
+
+def test_an_undecodable_jpeg_is_skipped_and_the_rest_of_the_batch_survives(files):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    items = [reader(files["jpeg"][0]), garbage_job(), reader(files["jpeg"][1])]
+    images, keep, bad, counts = decode_batch(JpegBatch(items), CPU)
+    assert keep == [True, False, True] and bad == ["garbage.JPEG"] and images.shape[0] == 2
+    assert counts == {"gpu": 2, "cpu": 0}
+
+
+def test_a_file_whose_header_is_cut_is_skipped_by_the_dataset(files, tmp_path):
+    (tmp_path / "a").mkdir()
+    os.link(files["bad"], tmp_path / "a" / "cut.JPEG")
+    ds = SafeImageFolder(str(tmp_path), TrainJpegReader(TrainDecoder(32, 0.3, 0.5)), loader=path_identity)
+    assert ds[(0, 1)][0] is None and ds[(0, 1)][2].endswith("cut.JPEG")
+
+
+def test_the_device_loader_drops_targets_of_skipped_images(files):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    batch = collate_skipping([(reader(files["jpeg"][0]), 3, None), (garbage_job(files["bad"]), 4, None),
+                              (reader(files["png"]), 5, None), (None, 6, "unreadable.JPEG")])
+    assert isinstance(batch[0], JpegBatch)
+    loader = DeviceLoader([batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    images, targets, skipped = next(iter(loader))
+    assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
+    assert targets.tolist() == [3, 5] and skipped == ["unreadable.JPEG", files["bad"]]
+    assert loader.decode_counts() == {"gpu": 1, "cpu": 1} and loader.decode_counts() == {"gpu": 0, "cpu": 0}
+
+
+def test_the_reader_follows_progressive_resizing(files):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    set_output_size(reader, 24)
+    assert reader(files["jpeg"][0]).out == 24
+
+
+def test_same_seed_same_crop_as_the_cpu_pipeline(files, tmp_path):
+    """Through the dataset with (index, seed) keys: the boxes are drawn like the CPU decoder's."""
+    root = tmp_path / "train" / "a"
+    root.mkdir(parents=True)
+    for p in files["jpeg"]:
+        os.link(p, root / os.path.basename(p))
+    cpu = SafeImageFolder(str(tmp_path / "train"), TrainDecoder(32, 0.3, 0.5, draft=False), loader=path_identity)
+    gpu = SafeImageFolder(str(tmp_path / "train"),
+                          TrainJpegReader(TrainDecoder(32, 0.3, 0.5, draft=False)), loader=path_identity)
+    for key in [(0, 11), (1, 12), (2, 13)]:
+        want, _, _ = cpu[key]
+        job, _, _ = gpu[key]
+        got = decode_batch(JpegBatch([job]), CPU)[0][0]
+        assert (got.int() - want.int()).abs().float().mean() < 1.0
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(data_pipeline="classic"), "fast pipeline"),
+                                     (dict(auto_augment="randaugment"), "--decode cpu"),
+                                     (dict(random_erase=0.25), "--decode cpu")])
+def test_combinations_that_need_pixels_in_the_workers_are_refused(kw, msg):
+    with pytest.raises(UserError, match=msg):
+        validate(Config(decode="gpu", **kw))
+
+
+def test_gpu_decode_without_a_gpu_is_a_clear_error(digits, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main([digits, "--decode", "gpu", "--epochs", "1", "-b", "8", "--output-dir", str(tmp_path)]) == 2
+    assert "--decode gpu needs a CUDA GPU" in capsys.readouterr().err
