@@ -247,6 +247,25 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
+def agree_started(failure: Optional[UserError], ctx: DistContext) -> None:
+    """Every rank says whether its start-up failed; if any did, every rank stops with a message.
+
+    Call it on every rank before the first collective of the run: a rank that stops alone
+    would leave the others waiting in a collective until ``--dist-timeout``, or failing with
+    a backend traceback when the launcher ends the run.
+    """
+    if ctx.distributed:
+        flag = torch.tensor([ctx.rank + 1 if failure is not None else 0], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = int(flag.item()) - 1
+        if failed >= 0 and failure is None:
+            where = f"GPU_{failed}.log" if failed else "the terminal"
+            raise UserError(f"rank {failed} could not start (its message, in {where} under python -m multiproc, "
+                            f"says why); this rank stops too")
+    if failure is not None:
+        raise failure
+
+
 def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Maximum over ranks (in place); no-op outside DDP."""
     if ctx.distributed:

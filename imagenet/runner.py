@@ -139,64 +139,72 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         configure_tf32(cfg.tf32)
         torch.backends.cudnn.benchmark = not cfg.deterministic
         torch.backends.cudnn.deterministic = cfg.deterministic
-    _prepare_output_dir(cfg.output_dir, ctx)
+    # Start-up errors (a flag, the data, the output dir, a checkpoint) may hit one rank only, e.g.
+    # an output dir that only rank 0 writes. Every rank reports before the first collective (DDP's
+    # weight broadcast), so all stop with a message instead of waiting on, or losing, a peer.
+    failure = None
+    try:
+        _prepare_output_dir(cfg.output_dir, ctx)
 
-    root = _resolve_data_root(cfg)
-    data = build_datasets(cfg, root)
-    if cfg.dummy:
-        source = "synthetic data (--dummy)"
-    else:
-        source = root if cfg.data else f"built-in MNIST-5k ({root})"
-    if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":
-        raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
-    train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
-
-    model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
-    start = _starting_weights(cfg)
-    if start is not None:
-        load_weights_into(model, *start)
-    if cfg.sync_bn:
-        if not ctx.distributed:
-            logger.warning("=> --sync-bn applies to DDP only; ignored in %s mode", ctx.mode)
-        elif ctx.device.type != "cuda":
-            raise UserError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU kernels); drop it for "
-                            "gloo runs on CPUs")
+        root = _resolve_data_root(cfg)
+        data = build_datasets(cfg, root)
+        if cfg.dummy:
+            source = "synthetic data (--dummy)"
         else:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(ctx.device)
-    if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
-    precision = build_precision(cfg, ctx.device)
-    model = precision.prepare_model(model)
-    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
-    optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
-                                      ctx.device)
-    iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
-    iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
-    if ctx.is_main:
-        _banner(cfg, ctx, data, model, precision, source)
-    ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
-    model = compile_model(distributed.wrap(model, ctx), cfg.compile, ctx.mode)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
-    mixer = None
-    if cfg.mixup > 0 or cfg.cutmix > 0:  # soft labels carry the smoothing; the training loss adds none
-        mixer = BatchMixer(len(data.classes), cfg.mixup, cfg.cutmix, cfg.label_smoothing)
-    # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
-    # from here on (none in a plain ResNet) gets a stream of its own on each rank.
-    torch.manual_seed(seed + ctx.rank)
+            source = root if cfg.data else f"built-in MNIST-5k ({root})"
+        if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":
+            raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
+        train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
 
-    start_epoch, best_acc1, start_step = 0, 0.0, 0
-    resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
-    if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
-        raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
-                        "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
-    if resume_path:
-        start_epoch, best_acc1, start_step = _resume(resume_path, cfg, len(data.classes), model, optimizer,
-                                                     scheduler, precision, ctx, ema)
-    if cfg.start_epoch is not None:
-        start_epoch, start_step = cfg.start_epoch, 0
+        model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
+        start = _starting_weights(cfg)
+        if start is not None:
+            load_weights_into(model, *start)
+        if cfg.sync_bn:
+            if not ctx.distributed:
+                logger.warning("=> --sync-bn applies to DDP only; ignored in %s mode", ctx.mode)
+            elif ctx.device.type != "cuda":
+                raise UserError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU kernels); drop it for "
+                                "gloo runs on CPUs")
+            else:
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(ctx.device)
+        if cfg.channels_last:
+            model.to(memory_format=torch.channels_last)
+        precision = build_precision(cfg, ctx.device)
+        model = precision.prepare_model(model)
+        groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
+        optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
+                                          ctx.device)
+        iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
+        iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
+        if ctx.is_main:
+            _banner(cfg, ctx, data, model, precision, source)
+        ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
+        criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
+        mixer = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:  # soft labels carry the smoothing; the training loss adds none
+            mixer = BatchMixer(len(data.classes), cfg.mixup, cfg.cutmix, cfg.label_smoothing)
+        # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
+        # from here on (none in a plain ResNet) gets a stream of its own on each rank.
+        torch.manual_seed(seed + ctx.rank)
+
+        start_epoch, best_acc1, start_step = 0, 0.0, 0
+        resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
+        if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
+            raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
+                            "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
+        if resume_path:
+            start_epoch, best_acc1, start_step = _resume(resume_path, cfg, len(data.classes), model, optimizer,
+                                                         scheduler, precision, ctx, ema)
+        if cfg.start_epoch is not None:
+            start_epoch, start_step = cfg.start_epoch, 0
+    except UserError as e:
+        failure = e
+    distributed.agree_started(failure, ctx)
+    model = compile_model(distributed.wrap(model, ctx), cfg.compile, ctx.mode)
     if not cfg.evaluate and start_epoch >= cfg.epochs:
         logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
                     "further, or use -e to evaluate it)", start_epoch, cfg.epochs)

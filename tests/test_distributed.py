@@ -542,3 +542,18 @@ def test_launch_environments_are_read_like_torchrun_and_slurm():
             distributed_env(cfg, bad)
     with pytest.raises(UserError, match="--rank"):
         distributed_env(Config(world_size=2, dist_url="tcp://127.0.0.1:1234"), {})
+
+
+def test_an_error_on_rank_0_alone_stops_every_rank_with_a_message(dataset, tmp_path):
+    """Only rank 0 writes the output dir: when it cannot, the other rank must not wait in (or
+    crash out of) DDP's first collective, but stop with a line saying where the reason is."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output folder should go")
+    logs = tmp_path / "logs"
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", logs, "main.py", dataset["root"], *TINY,
+                      "-b", 8, "--epochs", 1, "--dist-backend", "gloo", "--output-dir", blocker / "out"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--output-dir" in r.stderr and "is not writable" in r.stderr
+    rank1 = (logs / "GPU_1.log").read_text()
+    assert "rank 0 could not start" in rank1 and "the terminal" in rank1
+    assert "Traceback" not in r.stdout + r.stderr + rank1
