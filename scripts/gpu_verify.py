@@ -250,20 +250,29 @@ def phase_jpeg(args) -> None:
 
 
 def phase_recipe(args) -> None:
-    """The plain fp16 recipe vs the same with a weight average and label smoothing, one GPU each."""
+    """The plain fp16 recipe vs the same with a weight average and label smoothing, for each of
+    --seeds (runs alternate between the GPUs, all at once: accuracy only), then the mean of each."""
     data = ensure_fashion(args)
     base = f"{PY} {recipe(args, data)} --fp16"
-    results = run_group([{"name": "r-fp16-plain", "cmd": base, "env": {"CUDA_VISIBLE_DEVICES": "0"}},
-                         {"name": "r-fp16-ema-ls", "cmd": f"{base} --model-ema 0.999 --label-smoothing 0.1",
-                          "env": {"CUDA_VISIBLE_DEVICES": "1"}}], args)
+    variants = (("plain", ""), ("ema-ls", " --model-ema 0.999 --label-smoothing 0.1"))
+    seeds = [int(x) for x in args.seeds.split(",")]
+    runs = [{"name": f"r-fp16-{v}-s{seed}", "cmd": f"{base}{extra} --seed {seed}",
+             "env": {"CUDA_VISIBLE_DEVICES": str(k % 2)}}
+            for k, (seed, (v, extra)) in enumerate((s_, v_) for s_ in seeds for v_ in variants)]
+    results = run_group(runs, args)
     for r in results:
         rows = last_metrics(os.path.join(args.out, r["name"]))
         if rows and "val_acc1_ema" in rows[-1]:
             print(f"{r['name']}: weight average final Acc@1 {rows[-1]['val_acc1_ema']:.2f}, "
                   f"best {max(x['val_acc1_ema'] for x in rows):.2f}")
-    table(results, "r-fp16-plain")
+    table(results, f"r-fp16-plain-s{seeds[0]}")
+    for v, _ in variants:
+        accs = [r["acc1"] for r in results if f"-{v}-s" in r["name"] and r["acc1"] is not None]
+        if accs:
+            print(f"{v}: final Acc@1 mean {sum(accs) / len(accs):.2f} over {len(accs)} seed(s), "
+                  f"min {min(accs):.2f}, max {max(accs):.2f}")
     png = os.path.join(args.out, "recipe-fp16-ema-ls.png")
-    dirs = " ".join(os.path.join(args.out, r["name"]) for r in results)
+    dirs = " ".join(os.path.join(args.out, f"r-fp16-{v}-s{seeds[0]}") for v, _ in variants)
     sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
        f"plain vs weight average + label smoothing'", os.path.join(args.out, "plot.log"))
     print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
@@ -284,6 +293,7 @@ def main() -> int:
     p.add_argument("--skip-matrix", action="store_true", help="bench: no full precision x layout matrix")
     p.add_argument("--fused-ab", action="store_true", help="bench: fused vs foreach optimizer, channels_last rows")
     p.add_argument("--compile-rows", default="", help="bench: precisions to time with --compile default, e.g. fp16,amp-bf16")
+    p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
