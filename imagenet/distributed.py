@@ -229,14 +229,16 @@ def _check_rendezvous(cfg, denv: dict) -> None:
                     "start rank 0 first, and check the address, the port and the firewall")
 
 
-def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """Put the (already precision-converted) model on its device and in its parallel wrapper."""
+def wrap(model: nn.Module, ctx: DistContext, **ddp_options) -> nn.Module:
+    """Put the (already precision-converted) model on its device and in its parallel wrapper.
+
+    ``ddp_options`` go to DistributedDataParallel (scripts/bench.py tries bucket settings)."""
     model = model.to(ctx.device)
     if ctx.mode == "dp":
         return DataParallel(model, device_ids=ctx.device_ids)  # torch's, with per-GPU threads that persist
     if ctx.mode == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, **ddp_options)
     return model
 
 

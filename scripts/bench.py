@@ -95,7 +95,10 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     model = precision.prepare_model(model)
     params = precision.param_groups([{"params": list(model.parameters())}])
     optimizer = build_optimizer(params, 0.01, 0.9, 1e-4, args.optimizer_impl, ctx.device)
-    model = compile_model(distributed.wrap(model, ctx), args.compile, ctx.mode)
+    ddp = {"bucket_cap_mb": args.ddp_bucket_mb} if args.ddp_bucket_mb else {}
+    if args.ddp_bucket_view:
+        ddp["gradient_as_bucket_view"] = True
+    model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
     criterion = nn.CrossEntropyLoss()
     per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
     images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
@@ -226,6 +229,9 @@ def main(argv=None) -> int:
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
     t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")
+    t.add_argument("--ddp-bucket-mb", type=float, default=0, help="DDP gradient bucket size (0: torch's 25 MB)")
+    t.add_argument("--ddp-bucket-view", action="store_true",
+                   help="DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)")
     t.add_argument("--batch-size", type=int, default=256, help="global batch")
     t.add_argument("--optimizer-impl", choices=IMPLS, default="auto",
                    help="SGD kernel, as main.py's flag: auto = fused on CUDA (skip decided on the device)")

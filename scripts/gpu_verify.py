@@ -190,7 +190,8 @@ def phase_bench(args) -> None:
     if args.fused_ab:
         # The optimizer's skip decided on the device (fused SGD, the default on GPUs) against the
         # host-synced decision (foreach), side by side in one run.
-        cl = "--matrix --precisions amp,fp16,amp-bf16 --layouts channels_last"
+        # amp and fp16 twice, interleaved: a later row on a warmer GPU is not the slower mode
+        cl = "--matrix --precisions amp,fp16,amp-bf16,fp16,amp --layouts channels_last"
         runs += [("bench-fused", f"{PY} {common} {cl} --optimizer-impl fused", g0),
                  ("bench-foreach", f"{PY} {common} {cl} --optimizer-impl foreach", g0)]
     for name, cmd, env in runs:
@@ -206,6 +207,11 @@ def phase_bench(args) -> None:
               dict(two, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P"))]
     for name, cmd, env in scale:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
+        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
+    # DDP's gradient buckets: larger buckets (fewer all-reduces) and gradients as bucket views.
+    for name, extra in (("bench-ddp2-bucket100", "--ddp-bucket-mb 100"), ("bench-ddp2-view", "--ddp-bucket-view")):
+        run_group([{"name": name, "env": two, "cmd": f"{PY} -m multiproc --log-dir OUT {common} --precision {best} "
+                                                      f"--channels-last {extra}"}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
     # Which transport NCCL chose between the two GPUs (P2P over NVLink, or SHM through the host).
     log = os.path.join(args.out, "bench-ddp2", "log.txt")

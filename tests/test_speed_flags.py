@@ -95,3 +95,23 @@ def test_bench_refuses_a_batch_that_does_not_divide(tmp_path):
                         "--arch", "resnet18", "--image-size", "16", "--batch-size", "5", "--steps", "1"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "does not divide" in r.stdout + r.stderr
+
+
+def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
+    """The scaling issue's CPU part: bench.py under two launchers (--nnodes 2, one process each,
+    gloo on 127.0.0.1) trains as one DDP world of 2 and reports from rank 0; DDP options pass."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    bench_args = ["scripts/bench.py", "train", "--arch", "resnet18", "--image-size", "16", "--num-classes", "10",
+                  "--batch-size", "4", "--warmup", "1", "--steps", "1", "--windows", "2", "--precision", "fp32",
+                  "--ddp-bucket-mb", "1", "--ddp-bucket-view"]
+    launchers = [subprocess.Popen([sys.executable, "-m", "multiproc", "--nproc-per-node", "1", "--nnodes", "2",
+                                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                   "--log-dir", str(tmp_path / f"logs{node}"), *bench_args],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for node in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in launchers]
+    assert [p.returncode for p in launchers] == [0, 0], outs
+    assert "DistributedDataParallel, rank 0 of 2" in outs[0][0] and "| fp32 | contiguous |" in outs[0][0]
