@@ -7,6 +7,7 @@
     python scripts/gpu_verify.py bench      # resnet50 step throughput: precision x layout; 1 GPU, DP, DDP
     python scripts/gpu_verify.py recipe     # fp16 recipe plain vs weight average + label smoothing, a plot
     python scripts/gpu_verify.py jpeg       # JPEG input pipelines: classic / CPU decode / GPU decode
+    python scripts/gpu_verify.py scaling    # 1/2/4/8 GPUs (as many as visible): DDP vs DP, GPU decode, parity
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -284,9 +285,62 @@ def phase_recipe(args) -> None:
     print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
 
 
+def visible_gpus() -> int:
+    out = subprocess.run([PY, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                         text=True)
+    return int(out.stdout.strip() or 0)
+
+
+def phase_scaling(args) -> None:
+    """Weak scaling of ResNet-50 over 1, 2, 4, 8 GPUs (as many as are visible): DDP through
+    multiproc at 256 images per GPU, DataParallel for comparison, the GPU-decode JPEG pipeline
+    on all GPUs, and the report's parity check (fp16 DDP on all GPUs vs fp32 on one)."""
+    n_gpus = visible_gpus()
+    best = args.bench_best
+    counts = [n for n in (1, 2, 4, 8) if n <= n_gpus]
+    rows = []
+    for n in counts:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n)))}
+        common = (f"scripts/bench.py train --arch resnet50 --batch-size {256 * n} --steps {args.bench_steps} "
+                  f"--windows 5 --precision {best} --channels-last --json OUT/rows.json")
+        runs = [(f"scale-ddp{n}", f"{PY} -m multiproc --log-dir OUT {common}" if n > 1 else f"{PY} {common}")]
+        if n > 1 and n in (2, n_gpus):
+            runs.append((f"scale-dp{n}", f"{PY} {common}"))
+        for name, cmd in runs:
+            run_group([{"name": name, "cmd": cmd, "env": env}], args)
+            path = os.path.join(args.out, name, "rows.json")
+            rate = json.load(open(path))[0]["img_per_s"] if os.path.exists(path) else None
+            rows.append((name, n, rate))
+            print(f"  {name}: {rate if rate is None else round(rate)} img/s", flush=True)
+    base = next((r for name, n, r in rows if n == 1 and r), None)
+    print("\n| run | GPUs | img/s (median of 5 windows) | per GPU | scaling efficiency |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, n, rate in rows:
+        eff = f"{rate / (n * base):.3f}" if rate and base else "-"
+        print(f"| {name} | {n} | {rate:.0f} | {rate / n:.0f} | {eff} |" if rate else f"| {name} | {n} | FAILED | | |")
+    if n_gpus > 1:
+        everything = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n_gpus)))}
+        jpeg = "/tmp/bench_jpeg"
+        if not os.path.isdir(os.path.join(jpeg, "train")):
+            sh(f"{PY} scripts/make_benchmark_imagefolder.py {jpeg} --classes 100 --train-per-class 60 "
+               f"--val-per-class 4", os.path.join(args.out, "make_jpeg.log"))
+        run_group([{"name": f"jpeg-gpu-decode-ddp{n_gpus}", "env": everything,
+                    "cmd": f"{PY} -m multiproc --log-dir OUT main.py {jpeg} -a resnet50 -b {256 * n_gpus} --amp "
+                           f"--channels-last --decode gpu -j {max(2, args.workers // n_gpus)} --epochs 1 --prof 20 "
+                           f"-p 5 --output-dir OUT"}], args)
+        print(tail(os.path.join(args.out, f"jpeg-gpu-decode-ddp{n_gpus}", "log.txt"), 4), flush=True)
+        data = ensure_fashion(args)
+        results = run_group([{"name": "1-fp32", "cmd": f"{PY} {recipe(args, data)}", "env": {"CUDA_VISIBLE_DEVICES": "0"}}],
+                            args)
+        results += run_group([{"name": f"fp16-ddp{n_gpus}", "env": everything,
+                               "cmd": f"{PY} -m multiproc --log-dir OUT {recipe(args, data)} --fp16 "
+                                      f"--dist-backend nccl"}], args)
+        table(results, "1-fp32")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe", "jpeg"))
+    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -304,7 +358,7 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
-     "recipe": phase_recipe, "jpeg": phase_jpeg}[args.phase](args)
+     "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling}[args.phase](args)
     return 0
 
 
