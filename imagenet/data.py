@@ -21,7 +21,7 @@ from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 from .decode import TrainDecoder, ValDecoder, path_identity
-from .gpudecode import JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
+from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .errors import UserError
 from .prefetch import DeviceLoader
 
@@ -144,7 +144,7 @@ def collate_skipping(batch: Sequence) -> tuple:
     skipped = [p for img, _, p in batch if img is None]
     if not good:
         return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
-    if any(isinstance(g[0], JpegJob) for g in good):  # --decode gpu: the device decodes them
+    if isinstance(good[0][0], (JpegJob, CpuDecoded)):  # --decode gpu: the device decodes them
         images = JpegBatch([g[0] for g in good])
     else:
         images = torch.stack([g[0] for g in good])
@@ -229,7 +229,7 @@ def image_size_at(epoch: int, cfg) -> int:
     if epoch >= last:
         return cfg.image_size
     size = start + (cfg.image_size - start) * (epoch - first) / (last - first)
-    return int(size // 8 * 8)
+    return max(start, int(size // 8 * 8))
 
 
 def progressive_ramp(cfg) -> tuple:

@@ -249,7 +249,7 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def agree_started(failure: Optional[UserError], ctx: DistContext) -> None:
+def agree_started(failure: Optional[BaseException], ctx: DistContext) -> None:
     """Every rank says whether its start-up failed; if any did, every rank stops with a message.
 
     Call it on every rank before the first collective of the run: a rank that stops alone

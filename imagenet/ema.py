@@ -51,12 +51,17 @@ class ModelEma:
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
         if isinstance(stepped, torch.Tensor):
-            weight = stepped.to(torch.float32) * (1.0 - d)  # 0 on a skipped step: nothing moves
-            for dst, src in ((self._dst, self._src), (self._dst_buf, [s.float() for s in self._src_buf])):
-                if dst:
-                    delta = torch._foreach_sub(src, dst)
-                    torch._foreach_mul_(delta, weight)
-                    torch._foreach_add_(dst, delta)
+            # The weights of a skipped step are the unchanged, finite masters: a zero weight
+            # leaves the average alone.
+            weight = stepped.to(torch.float32) * (1.0 - d)
+            delta = torch._foreach_sub(self._src, self._dst)
+            torch._foreach_mul_(delta, weight)
+            torch._foreach_add_(self._dst, delta)
+            if self._dst_buf:
+                # BatchNorm statistics of an overflowing forward may be NaN, which a zero weight
+                # would not cancel (NaN * 0): select the average's own values instead.
+                target = [torch.where(stepped, s.float(), d) for d, s in zip(self._dst_buf, self._src_buf)]
+                torch._foreach_lerp_(self._dst_buf, target, 1.0 - d)
         else:
             torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
             if self._dst_buf:

@@ -76,6 +76,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     accum = opts.accum_steps
     sums = DeviceSums(ctx.device)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
+    group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
     total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
@@ -117,9 +118,12 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                 precision.backward(loss if accum == 1 else loss / accum)
             if weight:
                 sums.add(loss, output, targets)
-            nonfinite_run = (nonfinite_run + 1) * (~torch.isfinite(loss.detach()))
+            group_nonfinite = group_nonfinite | ~torch.isfinite(loss.detach())
         if last_micro and group_has_data:
             group_has_data = False
+            # consecutive optimizer steps with a NaN/inf loss (any of their passes)
+            nonfinite_run = (nonfinite_run + 1) * group_nonfinite
+            group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
             stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
             if ema is not None:
                 ema.update(stepped)

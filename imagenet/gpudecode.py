@@ -31,7 +31,7 @@ _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go 
 class JpegJob:
     """One image to decode on the device: compressed bytes and what to do with the pixels."""
 
-    data: torch.Tensor  # uint8, the file's bytes
+    data: bytes  # the file (plain bytes travel between processes faster than one tensor each)
     path: str
     # train: (top, left, height, width) crop in full-resolution pixels, then resize to out x out;
     # val: resize to (height, width) first, then crop out x out at (top, left).
@@ -42,18 +42,25 @@ class JpegJob:
 
 
 @dataclass
+class CpuDecoded:
+    """An image the worker decoded itself (not a plain JPEG): uint8 HWC, counted as a fallback."""
+
+    image: torch.Tensor
+
+
+@dataclass
 class JpegBatch:
     """A collated batch mixing device jobs and images the worker already decoded (fallbacks)."""
 
-    items: list  # JpegJob or uint8 HWC tensor, in batch order
+    items: list  # JpegJob or CpuDecoded, in batch order
 
     def pin_memory(self, device=None):  # the DataLoader's pin-memory thread: bytes stay pageable
         return self
 
 
-def _read_bytes(path: str) -> torch.Tensor:
+def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as fh:
-        return torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
+        return fh.read()
 
 
 class TrainJpegReader:
@@ -73,7 +80,7 @@ class TrainJpegReader:
     def __call__(self, path: str):
         with Image.open(path) as img:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
-                return self.cpu(path)  # decoded here: counted as a worker fallback
+                return CpuDecoded(self.cpu(path))  # decoded here: counted as a fallback
             top, left, height, width = self.cpu.crop_params(img)
             flip = self.cpu.hflip > 0 and torch.rand(1).item() < self.cpu.hflip
         return JpegJob(_read_bytes(path), path, "train", (top, left, height, width), self.cpu.size, flip)
@@ -88,7 +95,7 @@ class ValJpegReader:
     def __call__(self, path: str):
         with Image.open(path) as img:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
-                return self.cpu(path)
+                return CpuDecoded(self.cpu(path))
             w, h = img.size
         resize, size = self.cpu.resize, self.cpu.size
         # torchvision's Resize(int): the shorter side becomes `resize`, the other is truncated.
@@ -121,7 +128,7 @@ def _apply(job: JpegJob, img: torch.Tensor) -> torch.Tensor:
 
 def _cpu_decode(job: JpegJob) -> Optional[torch.Tensor]:
     try:
-        with Image.open(io.BytesIO(job.data.numpy().tobytes())) as img:
+        with Image.open(io.BytesIO(job.data)) as img:
             arr = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
     except Exception:
         return None
@@ -140,7 +147,7 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
     jobs = [(i, it) for i, it in enumerate(batch.items) if isinstance(it, JpegJob)]
     decoded: dict = {}
     if jobs:
-        datas = [job.data for _, job in jobs]
+        datas = [torch.frombuffer(bytearray(job.data), dtype=torch.uint8) for _, job in jobs]
         try:
             images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # one bad file fails the batched call: decode one by one
@@ -155,8 +162,8 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
     out, keep, bad = [], [], []
     counts = {"gpu": 0, "cpu": 0}
     for i, item in enumerate(batch.items):
-        if not isinstance(item, JpegJob):  # the worker decoded it (not a plain JPEG)
-            out.append(item.to(device, non_blocking=True))
+        if isinstance(item, CpuDecoded):  # the worker decoded it (not a plain JPEG)
+            out.append(item.image.to(device, non_blocking=True))
             keep.append(True)
             counts["cpu"] += 1
             continue

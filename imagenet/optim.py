@@ -78,8 +78,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     for group, keep in zip(optimizer.param_groups, impl):
         group.update(keep)
     if impl and impl[0]["fused"]:
-        # Buffers missing from the file (saved before the first step) start at zero, as above.
         for group in optimizer.param_groups:
-            if group["momentum"] != 0:
-                for p in group["params"]:
-                    optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            if group["momentum"] == 0:
+                continue
+            for p in group["params"]:
+                state = optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:  # saved before the first step: start at zero, as above
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif buf.stride() != p.stride():
+                    # Saved with the other memory layout (--channels-last changed): the fused CUDA
+                    # kernel wants the parameter's strides.
+                    state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(buf)

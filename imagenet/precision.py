@@ -464,7 +464,11 @@ class MasterWeightPrecision(Precision):
             optimizer.step()  # the fused kernel leaves weights and momentum alone if found_inf
         finally:
             optimizer.found_inf = optimizer.grad_scale = None
-        torch._foreach_copy_(self.params, self._master_data)  # unchanged masters on a skip: harmless
+        if self.foreach:  # unchanged masters on a skip: copying them back is harmless
+            torch._foreach_copy_(self.params, self._master_data)
+        else:
+            for p, m in zip(self.params, self._master_data):
+                p.copy_(m)
         self.scaler.update_on_device(found_inf)
         stepped = found_inf.reshape(()) == 0  # a new tensor: found_inf is reused next step
         self._reset_grads()

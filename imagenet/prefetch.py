@@ -51,27 +51,35 @@ class DeviceLoader:
         return counts
 
     def _to_device(self, batch) -> tuple:
+        """(images, targets, skipped, decode counts) on the device."""
         images, targets, skipped = batch
+        counts = None
         if targets.numel() == 0:
-            return images, targets, skipped
+            return images, targets, skipped, counts
         if isinstance(images, JpegBatch):
             images, keep, bad, counts = decode_batch(images, self.device)
-            for k, v in counts.items():
-                self._counts[k] += v
             if bad:
                 targets = targets[torch.tensor(keep)]
                 skipped = skipped + bad
             if targets.numel() == 0:
-                return torch.empty(0), targets, skipped
+                return torch.empty(0), targets, skipped, counts
         else:
             images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        return self._convert(images), targets, skipped
+        return self._convert(images), targets, skipped, counts
+
+    def _yielded(self, batch: tuple) -> tuple:
+        # Counted when the loop takes the batch, not when it was prepared one ahead.
+        *batch, counts = batch
+        if counts:
+            for k, v in counts.items():
+                self._counts[k] += v
+        return tuple(batch)
 
     def __iter__(self) -> Iterator[tuple]:
         if self.device.type != "cuda":
             for batch in self.loader:
-                yield self._to_device(batch)
+                yield self._yielded(self._to_device(batch))
             return
         yield from self._prefetching()
 
@@ -91,10 +99,11 @@ class DeviceLoader:
         upcoming = load()
         while upcoming is not None:
             main.wait_stream(stream)
-            images, targets, skipped = upcoming
+            current = self._yielded(upcoming)
+            images, targets, skipped = current
             if targets.numel():
                 # the tensors were made on the side stream: keep their memory until main is done
                 images.record_stream(main)
                 targets.record_stream(main)
             upcoming = load()  # the next copy overlaps this batch's compute
-            yield images, targets, skipped
+            yield current

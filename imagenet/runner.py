@@ -30,7 +30,7 @@ from .ema import ModelEma
 from .mixing import BatchMixer
 from .precision import Precision, build_precision, configure_tf32, describe, unwrap
 from .preemption import Preempted, StopRequest
-from .tblog import TensorBoardLog
+from .tblog import TensorBoardLog, require_tensorboard
 
 logger = logging.getLogger("imagenet")
 
@@ -145,6 +145,8 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     failure = None
     try:
         _prepare_output_dir(cfg.output_dir, ctx)
+        if cfg.tensorboard:
+            require_tensorboard()  # every rank, before any collective (rank 0 writes the events)
 
         root = _resolve_data_root(cfg)
         data = build_datasets(cfg, root)
@@ -201,7 +203,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                                                          scheduler, precision, ctx, ema)
         if cfg.start_epoch is not None:
             start_epoch, start_step = cfg.start_epoch, 0
-    except UserError as e:
+    except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
         failure = e
     distributed.agree_started(failure, ctx)
     model = compile_model(distributed.wrap(model, ctx), cfg.compile, ctx.mode)
@@ -356,8 +358,10 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             raise Preempted(stop.signum, f"stopped by {stop.name} in epoch {epoch} after step {train['steps_done']}; "
                             f"checkpoint written to {where}: run the same command with --resume auto to continue")
         val = validate(model, val_loader, criterion, precision, ctx, opts)
+        decoded = _decode_counts(cfg, ctx, train_loader, val_loader)  # before the weight average's pass
         if ema is not None:  # the average is an fp32 model: evaluate it in fp32
             val_ema = validate(ema.model, val_loader, criterion, Precision(), ctx, opts, name="weight average")
+            val_loader.decode_counts()  # the same images again: counted once, above
             val["skipped_paths"] += val_ema.pop("skipped_paths")
             val.update({f"{k}_ema": v for k, v in val_ema.items() if k != "val_samples"})
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
@@ -370,9 +374,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
                   "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
                   "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode, "image_size": size,
                   "world_size": ctx.world_size}
-        if cfg.decode == "gpu":  # images nvJPEG decoded / decoded on a CPU instead, train + val
-            counts = [loader.decode_counts() for loader in (train_loader, val_loader)]
-            record.update(decoded_on_gpu=sum(c["gpu"] for c in counts), decode_fallbacks=sum(c["cpu"] for c in counts))
+        record.update(decoded)
         total_images += train["train_samples"]
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)
@@ -394,6 +396,18 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s, %.0f img/s; outputs in %s",
                     best_acc1, last["val_acc1"], total, summary["img_per_s"], os.path.abspath(cfg.output_dir))
     return summary
+
+
+def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
+    """--decode gpu: this epoch's images decoded on the GPUs / on CPUs instead, train and val, all
+    ranks (every rank calls this)."""
+    if cfg.decode != "gpu":
+        return {}
+    counts = [loader.decode_counts() for loader in (train_loader, val_loader)]
+    both = torch.tensor([float(sum(c["gpu"] for c in counts)), float(sum(c["cpu"] for c in counts))],
+                        device=ctx.device)
+    gpu, cpu = distributed.all_reduce_sum(both, ctx).tolist()
+    return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
 
 
 def _report_skipped(cfg, ctx, paths: list, epoch: int, total_images: int) -> int:

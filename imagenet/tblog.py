@@ -25,15 +25,21 @@ def _tag(key: str) -> str:
     return "run/" + key
 
 
+def require_tensorboard() -> None:
+    """Raise the flag error now if ``--tensorboard`` cannot work (package missing)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                        "(or drop --tensorboard; metrics.jsonl has the same numbers)") from None
+
+
 class TensorBoardLog:
     """Writes one scalar per numeric metric per epoch (step = epoch)."""
 
     def __init__(self, output_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                            "(or drop --tensorboard; metrics.jsonl has the same numbers)") from None
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
         self.path = os.path.join(output_dir, "tensorboard")
         self._writer = SummaryWriter(log_dir=self.path)
 

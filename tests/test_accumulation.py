@@ -105,3 +105,20 @@ def test_batch_that_does_not_split_is_refused(digits, tmp_path, capsys):
     assert main(args(digits, tmp_path, "--accum-steps", "3")) == 2
     err = capsys.readouterr().err
     assert "--accum-steps 3 must divide" in err and "-b 6" in err
+
+
+def test_the_nan_stop_counts_optimizer_steps_not_passes():
+    """--max-nonfinite-steps 3 with 4 passes per step: 2 NaN steps (8 NaN passes) must not stop."""
+    images, targets = data()
+    images[:] = float("nan")
+    loader = [(images[i:i + 4], targets[i:i + 4], []) for i in range(0, 32, 4)]
+    model = net()
+    opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
+                          LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
+    assert out["steps"] == 2
+    from imagenet.errors import UserError
+    with pytest.raises(UserError, match="NaN/inf for 4 steps"):
+        train_one_epoch(net(), loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
+                        LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))

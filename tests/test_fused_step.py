@@ -159,3 +159,32 @@ def test_resume_keeps_this_runs_optimizer_implementation():
     back = build_optimizer([{"params": [nn.Parameter(torch.randn(3))]}], 0.1, 0.9, 0.0, "foreach", CPU)
     load_optimizer_state(back, fused.state_dict())
     assert not back.param_groups[0].get("fused")
+
+
+def test_weight_average_keeps_finite_statistics_when_a_skipped_step_left_nan_in_batchnorm():
+    """An overflowing fp16 forward can leave NaN in BatchNorm's running statistics; the step is
+    skipped, and the average must not take the NaN in (NaN * 0 is still NaN)."""
+    prec = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
+    model, _, _ = run(prec, "fused", batches(1))
+    ema = ModelEma(model, prec, decay=0.5)
+    before = [b.clone() for b in ema.model.buffers() if b.is_floating_point()]
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    bn.running_var.fill_(float("nan"))
+    ema.update(torch.tensor(False))
+    after = [b for b in ema.model.buffers() if b.is_floating_point()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_resume_into_the_other_memory_layout_gives_buffers_the_parameters_strides():
+    conv = nn.Conv2d(3, 4, 3)
+    saved = build_optimizer([{"params": list(conv.parameters())}], 0.1, 0.9, 0.0, "foreach", CPU)
+    for p in conv.parameters():
+        p.grad = torch.ones_like(p)
+    saved.step()
+    cl = copy.deepcopy(conv).to(memory_format=torch.channels_last)
+    fused = fused_or_skip([{"params": list(cl.parameters())}])
+    load_optimizer_state(fused, saved.state_dict())
+    for p in cl.parameters():
+        buf = fused.state[p]["momentum_buffer"]
+        assert buf.stride() == p.stride() and torch.equal(buf, saved.state[next(
+            q for q, r in zip(conv.parameters(), cl.parameters()) if r is p)]["momentum_buffer"])

@@ -13,7 +13,7 @@ from imagenet.config import Config, validate
 from imagenet.data import SafeImageFolder, collate_skipping, set_output_size
 from imagenet.decode import TrainDecoder, ValDecoder, path_identity
 from imagenet.errors import UserError
-from imagenet.gpudecode import JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
 from imagenet.prefetch import DeviceLoader
 from imagenet.runner import main
 
@@ -81,12 +81,12 @@ def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
     reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
     for path in (files["png"], files["cmyk"]):
         item, images, keep, counts = decode_one(reader, path)
-        assert isinstance(item, torch.Tensor) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
+        assert isinstance(item, CpuDecoded) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
 
 
 def garbage_job(path="garbage.JPEG"):
     # A header that passed the worker's check, then bytes no decoder can read.
-    return JpegJob(torch.frombuffer(bytearray(b"\xff\xd8garbage" * 8), dtype=torch.uint8), path, "train",
+    return JpegJob(b"\xff\xd8garbage" * 8, path, "train",
                    (0, 0, 8, 8), 32)
 
 
@@ -152,3 +152,14 @@ def test_gpu_decode_without_a_gpu_is_a_clear_error(digits, tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert main([digits, "--decode", "gpu", "--epochs", "1", "-b", "8", "--output-dir", str(tmp_path)]) == 2
     assert "--decode gpu needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_batch_of_fallbacks_only_is_still_counted(files):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    batch = collate_skipping([(reader(files["png"]), 1, None), (reader(files["cmyk"]), 2, None)])
+    assert isinstance(batch[0], JpegBatch)
+    loader = DeviceLoader([batch, batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    for images, targets, _ in loader:
+        assert images.shape == (2, 3, 32, 32)
+        break  # the second batch is never taken: it must not be counted
+    assert loader.decode_counts() == {"gpu": 0, "cpu": 2}

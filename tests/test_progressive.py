@@ -75,3 +75,9 @@ def test_a_run_records_the_size_of_each_epoch(digits, tmp_path, capsys):
     assert all(r["val_samples"] == 80 for r in rows)  # validation stays at --image-size
     out = capsys.readouterr().out
     assert "training crops of 8 px" in out and "training crops of 16 px" in out
+
+
+def test_sizes_never_fall_below_the_starting_size():
+    c = cfg(image_size=224, progressive_resize=130, progressive_ramp="0:10", epochs=10)
+    sizes = [image_size_at(e, c) for e in range(11)]
+    assert min(sizes) == 130 and sizes == sorted(sizes) and sizes[-1] == 224
