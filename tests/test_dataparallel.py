@@ -52,3 +52,34 @@ def test_the_wrapper_can_be_copied_and_pickled_without_its_threads():
         assert "_replica_workers" not in clone.__dict__
         assert torch.equal(clone.module.weight, dp.module.weight)
     dp.__dict__["_replica_workers"].close()
+
+
+def test_parallel_apply_passes_inputs_kwargs_and_the_callers_modes(monkeypatch):
+    """DataParallel.parallel_apply without GPUs: the CUDA context managers become no-ops, the rest
+    (threads, argument passing, grad mode and autocast carried into the worker) runs for real."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x, y=None, *, scale=1):
+            seen.append((threading.get_ident(), torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+                         torch.get_autocast_dtype("cuda")))
+            return (x + (0 if y is None else y)) * scale
+
+    dp = DataParallel(nn.Identity())
+    dp.device_ids = [0, 1]  # as if two GPUs were visible
+    replicas = [Probe(), Probe()]
+    with torch.no_grad():
+        out = dp.parallel_apply(replicas, [(torch.ones(2), torch.ones(2)), torch.zeros(2)],
+                                [{"scale": 3}, {}])
+    assert torch.equal(out[0], torch.full((2,), 6.0)) and torch.equal(out[1], torch.zeros(2))
+    assert [s[1] for s in seen] == [False, False]  # no_grad reached the workers
+    out = dp.parallel_apply(replicas, [torch.ones(1), torch.ones(1)], None)
+    assert [s[1] for s in seen[2:]] == [True, True]
+    assert {s[0] for s in seen[:2]} == {s[0] for s in seen[2:]}  # the same two threads again
+    with pytest.raises(NotImplementedError):  # a replica's error reaches the caller
+        dp.parallel_apply([Probe(), nn.Module()], [torch.ones(1), torch.ones(1)], None)  # Module has no forward
