@@ -163,3 +163,32 @@ def test_a_batch_of_fallbacks_only_is_still_counted(files):
         assert images.shape == (2, 3, 32, 32)
         break  # the second batch is never taken: it must not be counted
     assert loader.decode_counts() == {"gpu": 0, "cpu": 2}
+
+
+def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
+    """build_loaders with --decode gpu and 2 worker processes (the decode itself on the CPU here):
+    jobs and fallbacks cross process boundaries, every image arrives once, counts add up."""
+    from imagenet.data import build_datasets, build_loaders
+    from imagenet.distributed import DistContext
+
+    for split, n in (("train", 2), ("val", 1)):
+        for c in ("a", "b"):
+            d = tmp_path / split / c
+            d.mkdir(parents=True)
+            for k, p in enumerate(files["jpeg"] * n):
+                os.link(p, d / f"{k}.JPEG")
+            os.link(files["png"], d / "png.JPEG")
+    cfg = Config(data=str(tmp_path), decode="gpu", image_size=32, val_resize=40, batch_size=6, workers=2,
+                 min_crop_scale=0.3)
+    validate(cfg)
+    ctx = DistContext("cpu", CPU, "test")
+    train, val = build_loaders(cfg, build_datasets(cfg, str(tmp_path)), ctx, seed=0)
+    train.sampler.set_epoch(0)
+    shapes, seen = set(), 0
+    for images, targets, skipped in train:
+        shapes.add(tuple(images.shape[1:]))
+        seen += targets.numel()
+    assert shapes == {(3, 32, 32)} and seen == 18 and skipped == []
+    assert train.decode_counts() == {"gpu": 16, "cpu": 2}
+    total = sum(t.numel() for _, t, _ in val)
+    assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2}
