@@ -16,6 +16,7 @@ like any unreadable image.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -147,7 +148,11 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
     jobs = [(i, it) for i, it in enumerate(batch.items) if isinstance(it, JpegJob)]
     decoded: dict = {}
     if jobs:
-        datas = [torch.frombuffer(bytearray(job.data), dtype=torch.uint8) for _, job in jobs]
+        with warnings.catch_warnings():
+            # decode_jpeg only reads the bytes: view them without a copy (torch warns that
+            # a bytes object is not writable)
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            datas = [torch.frombuffer(job.data, dtype=torch.uint8) for _, job in jobs]
         try:
             images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # one bad file fails the batched call: decode one by one
