@@ -42,13 +42,17 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: float, impl: str,
                     device: torch.device) -> torch.optim.SGD:
     """SGD over ``groups`` (tensors on ``device``) with the implementation ``impl`` resolves to."""
-    impl = resolve_impl(impl, device)
+    asked, impl = impl, resolve_impl(impl, device)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True}
     try:
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise UserError(f"--optimizer-impl {impl} cannot run on {device} with torch {torch.__version__} ({e}); "
-                        "use --optimizer-impl auto") from None
+        if asked != "auto":
+            raise UserError(f"--optimizer-impl {impl} cannot run on {device} with torch {torch.__version__} ({e}); "
+                            "use --optimizer-impl auto") from None
+        # An older torch without fused SGD here: the multi-tensor one, skip decided on the host.
+        impl = "foreach"
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
     if impl == "fused":
         # The fused kernel skips a step flagged as overflowing before it writes anything. If
         # the very first step is skipped, torch would keep the uninitialised momentum buffers it

@@ -188,3 +188,20 @@ def test_resume_into_the_other_memory_layout_gives_buffers_the_parameters_stride
         buf = fused.state[p]["momentum_buffer"]
         assert buf.stride() == p.stride() and torch.equal(buf, saved.state[next(
             q for q, r in zip(conv.parameters(), cl.parameters()) if r is p)]["momentum_buffer"])
+
+
+def test_auto_falls_back_to_foreach_where_fused_sgd_is_missing(monkeypatch):
+    real = torch.optim.SGD
+
+    def no_fused(*a, fused=None, **kw):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.optim, "SGD", no_fused)
+    monkeypatch.setattr("imagenet.optim.resolve_impl", lambda impl, device: "fused" if impl == "auto" else impl)
+    opt = build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], 0.1, 0.9, 0.0, "auto", CPU)
+    assert not supports_found_inf(opt) and opt.param_groups[0]["foreach"]
+    from imagenet.errors import UserError
+    with pytest.raises(UserError, match="--optimizer-impl fused cannot run"):
+        build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], 0.1, 0.9, 0.0, "fused", CPU)
