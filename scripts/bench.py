@@ -84,7 +84,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
     torch.manual_seed(0)
     model = create_model(cfg.arch, args.num_classes).to(ctx.device)
     if channels_last:
@@ -98,7 +98,10 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     ddp = {"bucket_cap_mb": args.ddp_bucket_mb} if args.ddp_bucket_mb else {}
     if args.ddp_bucket_view:
         ddp["gradient_as_bucket_view"] = True
-    model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
+    if ctx.mode == "dp" and args.dp_impl == "torch":  # torch's own, new threads every forward
+        model = nn.DataParallel(model.to(ctx.device), device_ids=ctx.device_ids)
+    else:
+        model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
     criterion = nn.CrossEntropyLoss()
     per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
     images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
@@ -229,6 +232,9 @@ def main(argv=None) -> int:
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
     t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")
+    t.add_argument("--dp-impl", choices=("persistent", "torch"), default="persistent",
+                   help="DataParallel: the trainer's (replica threads kept) or torch's own")
+    t.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN heuristics instead of timing algorithms")
     t.add_argument("--ddp-bucket-mb", type=float, default=0, help="DDP gradient bucket size (0: torch's 25 MB)")
     t.add_argument("--ddp-bucket-view", action="store_true",
                    help="DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)")

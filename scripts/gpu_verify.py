@@ -199,11 +199,16 @@ def phase_bench(args) -> None:
         run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
     best = args.bench_best
+    short = f"scripts/bench.py train --arch resnet50 --batch-size 256 --warmup 3 --steps 5 --windows 2"
     scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", g0),
              # each DDP rank's share of the global batch, on one GPU: the ideal per-rank rate
              ("bench-1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} "
                                  f"--precision {best} --channels-last", g0),
-             ("bench-dp2", f"{PY} {common} --precision {best} --channels-last", two),
+             # DataParallel was ~1.7 s a step (run B): time limits, and few steps for torch's own
+             ("bench-dp2", f"timeout 150 {PY} {common} --precision {best} --channels-last", two),
+             ("bench-dp2-torch", f"timeout 90 {PY} {short} --precision {best} --channels-last --dp-impl torch", two),
+             ("bench-dp2-torch-nobench", f"timeout 90 {PY} {short} --precision {best} --channels-last "
+                                         f"--dp-impl torch --no-cudnn-benchmark", two),
              ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last",
               dict(two, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P"))]
     for name, cmd, env in scale:
