@@ -307,11 +307,22 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
     return DataBundle(train, val, classes, root)
 
 
-def ignore_interrupt(worker_id: int) -> None:
-    """Workers leave Ctrl-C (which a terminal sends to the whole process group) to the training
-    process, which stops them after writing its checkpoint. SIGTERM stays deadly: it is how
-    the DataLoader ends workers that do not stop by themselves."""
+WORKER_TERM_GRACE = 90  # seconds a worker lives on after SIGTERM; the trainer's stop takes < 60
+
+
+def _term_later(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough
+    signal.alarm(WORKER_TERM_GRACE)  # SIGALRM's default action ends the process
+
+
+def worker_signals(worker_id: int) -> None:
+    """Workers leave Ctrl-C and SIGTERM to the training process, which stops them after writing
+    its checkpoint. A terminal sends Ctrl-C, and a scheduler (SLURM) SIGTERM, to every process of
+    the job: a worker that died of it would make the DataLoader raise in the middle of the last
+    step. SIGTERM only arms a timer, so a worker the DataLoader has to end (one that hangs) still
+    ends, WORKER_TERM_GRACE seconds later."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _term_later)
 
 
 def per_process_batch(batch_size: int, ctx) -> int:
@@ -355,7 +366,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_skipping, persistent_workers=cfg.workers > 0,
-                  worker_init_fn=ignore_interrupt if cfg.workers > 0 else None)
+                  worker_init_fn=worker_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)

@@ -109,3 +109,41 @@ def test_sigterm_through_multiproc_stops_every_rank_with_a_checkpoint(digits, tm
     assert "stopped by SIGTERM" in out, out
     ckpt = weights(tmp_path)
     assert ckpt["step_in_epoch"] > 0 and len(ckpt["rng_per_rank"]) == 2
+
+
+def test_sigterm_to_the_whole_process_group_spares_the_workers_until_the_checkpoint(digits, tmp_path):
+    """What a scheduler does (SLURM signals every process of the job): the DataLoader workers get
+    SIGTERM too. They must outlive the last step and the checkpoint, then end with the run."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "main.py", *args(digits, tmp_path, "--epochs", "20")]  # -j 2: two workers
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("Epoch: [0][ 3/"):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    out = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "killed by signal" not in out, out
+    assert weights(tmp_path)["step_in_epoch"] > 0
+    time.sleep(1)
+    try:
+        os.killpg(proc.pid, 0)  # nothing of the run is left behind
+        leftover = True
+    except ProcessLookupError:
+        leftover = False
+    assert not leftover
+
+
+def test_a_worker_that_got_sigterm_ends_by_itself_after_the_grace_period():
+    script = ("import os, signal, time\n"
+              "from imagenet import data\n"
+              "data.WORKER_TERM_GRACE = 1\n"
+              "data.worker_signals(0)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "print('alive after SIGTERM', flush=True)\n"
+              "time.sleep(30)\n")
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "alive after SIGTERM" in r.stdout
+    assert r.returncode == -signal.SIGALRM and time.monotonic() - start < 20
