@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .distributed import DistContext, all_reduce_max, all_reduce_sum
 from .errors import UserError
-from .metrics import AverageMeter, DeviceSums
+from .metrics import AverageMeter, DeviceSums, means
 
 logger = logging.getLogger(__name__)
 _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
@@ -60,7 +60,8 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
 def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
                     ctx: DistContext, epoch: int, opts: LoopOptions, start_step: int = 0,
                     stop: Callable[[], bool] = lambda: False,
-                    on_step: Optional[Callable[[int], None]] = None, ema=None, mixer=None) -> dict:
+                    on_step: Optional[Callable] = None, ema=None, mixer=None,
+                    start_sums: Optional[list] = None) -> dict:
     """One pass over the training loader (device-ready batches); returns the reduced metrics.
 
     Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
@@ -68,13 +69,19 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     them) and, under DDP, are all-reduced once, with the last one. ``start_step`` batches of this
     epoch were done before (the loader already skips them); after each optimizer step
     ``on_step(batches_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()`` may end the
-    epoch early (preemption); the result then says ``completed: False``. ``ema`` (an
+    epoch early (preemption); the result then says ``completed: False``. ``start_sums``: the
+    metric sums (over all ranks) of the ``start_step`` batches done before, so a resumed epoch
+    reports the whole epoch; ``on_step`` gets a function returning the sums so far, for its
+    checkpoint, and the result holds them as ``partial_sums``. ``ema`` (an
     :class:`imagenet.ema.ModelEma`) follows every optimizer step; ``mixer``
     (:class:`imagenet.mixing.BatchMixer`) turns batches into mixup/cutmix ones with soft labels.
     """
     model.train()
     accum = opts.accum_steps
     sums = DeviceSums(ctx.device)
+    if start_sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
+        sums.seed(start_sums)
+    seeded = start_sums[3] if start_sums else 0.0
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
     group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
@@ -143,7 +150,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         if not last_micro:
             continue  # checkpoints and stops only between optimizer steps
         if on_step is not None:
-            on_step(i + 1)
+            on_step(i + 1, lambda: sums.raw(ctx, all_reduce_sum))
         if i + 1 < n and stop():
             completed = False
             break
@@ -151,13 +158,14 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         bar.close()
     elapsed = time.perf_counter() - start
     _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
-    totals = sums.totals(ctx, all_reduce_sum)
+    partial = sums.raw(ctx, all_reduce_sum)
+    totals = means(partial)
     return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
             "train_samples": totals["count"], "steps": steps,
             "skipped_steps": precision.skipped_steps - skipped_before,
-            "img_per_s": totals["count"] / elapsed if elapsed > 0 else 0.0,
+            "img_per_s": (totals["count"] - seeded) / elapsed if elapsed > 0 else 0.0,
             "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
-            "steps_done": done}
+            "steps_done": done, "partial_sums": partial}
 
 
 def _grad_sync(model: nn.Module, sync: bool):

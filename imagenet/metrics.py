@@ -35,18 +35,26 @@ class DeviceSums:
         self.last = batch
         self.sums += batch
 
-    def totals(self, ctx=None, reduce=None) -> dict:
-        """Sums (over ranks when ``reduce`` is given) turned into means; one host sync."""
+    def raw(self, ctx=None, reduce=None) -> list:
+        """The sums themselves (over ranks when ``reduce`` is given); one host sync."""
         sums = self.sums.clone()
         if reduce is not None:
             reduce(sums, ctx)
-        return _means(sums.tolist())
+        return sums.tolist()
+
+    def totals(self, ctx=None, reduce=None) -> dict:
+        """Sums (over ranks when ``reduce`` is given) turned into means; one host sync."""
+        return means(self.raw(ctx, reduce))
+
+    def seed(self, values: list) -> None:
+        """Start from sums counted before (the first part of an epoch a resumed run continues)."""
+        self.sums += torch.tensor(values, dtype=torch.float64, device=self.sums.device)
 
     def last_batch(self) -> dict:
-        return _means(self.last.tolist())
+        return means(self.last.tolist())
 
 
-def _means(values: list) -> dict:
+def means(values: list) -> dict:
     loss, c1, c5, n = values
     if n == 0:
         return {"loss": float("nan"), "acc1": 0.0, "acc5": 0.0, "count": 0}

@@ -193,16 +193,16 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         # from here on (none in a plain ResNet) gets a stream of its own on each rank.
         torch.manual_seed(seed + ctx.rank)
 
-        start_epoch, best_acc1, start_step = 0, 0.0, 0
+        start_epoch, best_acc1, start_step, start_sums = 0, 0.0, 0, None
         resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
         if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
             raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
                             "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
         if resume_path:
-            start_epoch, best_acc1, start_step = _resume(resume_path, cfg, len(data.classes), model, optimizer,
-                                                         scheduler, precision, ctx, ema)
+            start_epoch, best_acc1, start_step, start_sums = _resume(resume_path, cfg, len(data.classes), model,
+                                                                     optimizer, scheduler, precision, ctx, ema)
         if cfg.start_epoch is not None:
-            start_epoch, start_step = cfg.start_epoch, 0
+            start_epoch, start_step, start_sums = cfg.start_epoch, 0, None
     except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
         failure = e
     distributed.agree_started(failure, ctx)
@@ -224,7 +224,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         result.pop("skipped_paths")
         return result
     return _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader,
-                  opts, start_epoch, best_acc1, start_step, ema, mixer)
+                  opts, start_epoch, best_acc1, start_step, ema, mixer, start_sums)
 
 
 def _starting_weights(cfg: Config) -> Optional[tuple]:
@@ -266,7 +266,7 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     state = fit_state_dict(unwrap(model), state, path)
     precision.load_model_state_dict(model, state)  # exact fp32 masters where the mode keeps them
     if cfg.evaluate:  # evaluation needs the weights only
-        return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0
+        return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0, None
     try:
         optim.load_optimizer_state(optimizer, ckpt["optimizer"])
         if "scheduler" in ckpt:
@@ -299,32 +299,41 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
         step = 0
     logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, epoch,
                 f", step {step}" if step else "", best)
-    return epoch, best, step
+    # metric sums of the part of the epoch done before (older checkpoints: none, the epoch's
+    # metrics then cover the steps after the resume only)
+    partial = ckpt.get("train_partial") if step else None
+    return epoch, best, step, partial
 
 
 def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-           start_epoch: int, best_acc1: float, start_step: int, ema, mixer) -> dict:
+           start_epoch: int, best_acc1: float, start_step: int, ema, mixer, start_sums) -> dict:
     board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and ctx.is_main else None
     try:
         with StopRequest(ctx) as stop:
             return _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader,
-                           val_loader, opts, start_epoch, best_acc1, start_step, stop, ema, mixer, board)
+                           val_loader, opts, start_epoch, best_acc1, start_step, stop, ema, mixer, board,
+                           start_sums)
     finally:
         if board is not None:
             board.close()
 
 
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
-            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer, board) -> dict:
+            start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer, board,
+            start_sums) -> dict:
     per_process = micro_batch(cfg, ctx)  # images per loader batch in this process
     train_criterion = nn.CrossEntropyLoss().to(ctx.device) if mixer is not None else criterion
 
-    def save(epoch: int, step: int, is_best: bool = False) -> None:
-        # Every rank takes part (RNG gather); rank 0 writes. step > 0: in the middle of `epoch`.
+    def save(epoch: int, step: int, is_best: bool = False, partial: Optional[list] = None) -> None:
+        # Every rank takes part (RNG gather); rank 0 writes. step > 0: in the middle of `epoch`,
+        # whose metric sums so far (all ranks) are `partial`.
         rng = distributed.gather_objects(ckpt_io.capture_rng(), ctx)
         if ctx.is_main:
-            ckpt_io.save_checkpoint(_checkpoint_state(cfg, epoch, step, best_acc1, model, optimizer, scheduler,
-                                                      precision, data, rng, ema), cfg.output_dir, is_best)
+            state = _checkpoint_state(cfg, epoch, step, best_acc1, model, optimizer, scheduler, precision, data,
+                                      rng, ema)
+            if partial is not None:
+                state["train_partial"] = partial
+            ckpt_io.save_checkpoint(state, cfg.output_dir, is_best)
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if ctx.is_main:
@@ -346,14 +355,14 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
                 logger.info("=> epoch %d: training crops of %d px (--progressive-resize %d -> %d)", epoch, size,
                             cfg.progressive_resize, cfg.image_size)
         every = cfg.save_every_steps
-        on_step = ((lambda done, e=epoch: save(e, done) if (done // cfg.accum_steps) % every == 0 else None)
-                   if every else None)
+        on_step = ((lambda done, sums, e=epoch: save(e, done, partial=sums())
+                    if (done // cfg.accum_steps) % every == 0 else None) if every else None)
         train = train_one_epoch(model, train_loader, train_criterion, optimizer, scheduler, precision, ctx, epoch,
                                 opts, start_step=start_step, stop=stop.should_stop, on_step=on_step, ema=ema,
-                                mixer=mixer)
-        start_step = 0
+                                mixer=mixer, start_sums=start_sums)
+        start_step, start_sums = 0, None
         if not train["completed"]:
-            save(epoch, train["steps_done"])
+            save(epoch, train["steps_done"], partial=train["partial_sums"])
             where = os.path.join(cfg.output_dir, ckpt_io.CHECKPOINT)
             raise Preempted(stop.signum, f"stopped by {stop.name} in epoch {epoch} after step {train['steps_done']}; "
                             f"checkpoint written to {where}: run the same command with --resume auto to continue")
@@ -364,6 +373,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             val_loader.decode_counts()  # the same images again: counted once, above
             val["skipped_paths"] += val_ema.pop("skipped_paths")
             val.update({f"{k}_ema": v for k, v in val_ema.items() if k != "val_samples"})
+        train.pop("partial_sums")
         skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
                                   len(data.train) + len(data.val))
         best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)

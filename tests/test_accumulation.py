@@ -89,9 +89,9 @@ def test_mid_epoch_checkpoints_fall_between_optimizer_steps(digits, tmp_path, mo
     def crash(*a, **k):
         on_step = k["on_step"]
 
-        def hook(done):
+        def hook(done, sums):
             steps_seen.append(done)
-            on_step(done)
+            on_step(done, sums)
             if done == 6:
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))

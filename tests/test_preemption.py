@@ -1,5 +1,6 @@
 """Preemption and mid-epoch resume: SIGTERM -> checkpoint -> --resume auto continues bit-exactly."""
 
+import json
 import os
 import signal
 import subprocess
@@ -53,7 +54,7 @@ def assert_same_run(a, b):
 def straight(digits, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     assert main(args(digits, out)) == 0
-    return weights(out)
+    return dict(weights(out), _dir=str(out))
 
 
 def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, monkeypatch):
@@ -65,8 +66,8 @@ def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, mo
     def crash_after_save(*a, **k):
         on_step = k["on_step"]
 
-        def hook(done):
-            on_step(done)
+        def hook(done, sums):
+            on_step(done, sums)
             if a[7] == 1 and done == 5:
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
@@ -77,6 +78,11 @@ def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, mo
     monkeypatch.undo()
     assert main(args(digits, tmp_path, "--resume", "auto")) == 0
     assert_same_run(straight, weights(tmp_path))
+    # the resumed epoch reports the whole epoch, as the straight run does
+    straight_rows = [json.loads(x) for x in open(Path(straight["_dir"]) / "metrics.jsonl")]
+    resumed_rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    for key in ("train_samples", "train_loss", "train_acc1", "train_acc5"):
+        assert resumed_rows[-1][key] == pytest.approx(straight_rows[-1][key], rel=1e-9), key
 
 
 def test_sigterm_writes_a_checkpoint_and_resume_matches_a_straight_run(digits, straight, tmp_path):
