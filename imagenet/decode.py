@@ -70,11 +70,14 @@ class TrainDecoder:
         """(top, left, height, width) drawn from the torch RNG as torchvision draws them."""
         return RandomResizedCrop.get_params(img, list(self.scale), list(_RATIO))
 
+    def draw(self, img: Image.Image) -> tuple:
+        """(crop box, flip) for this image, from the torch RNG; reads only the header size."""
+        params = self.crop_params(img)
+        return params, self.hflip > 0 and torch.rand(1).item() < self.hflip
+
     def __call__(self, path: str) -> torch.Tensor:
         with Image.open(path) as img:
-            top, left, height, width = self.crop_params(img)  # reads only the header size
-            flip = self.hflip > 0 and torch.rand(1).item() < self.hflip
-            return self.decode(img, (top, left, height, width), flip)
+            return self.decode(img, *self.draw(img))
 
     def decode(self, img: Image.Image, params: tuple, flip: bool) -> torch.Tensor:
         top, left, height, width = params
@@ -106,16 +109,19 @@ class ValDecoder:
         with Image.open(path) as img:
             return self.decode(img)
 
+    def geometry(self, width: int, height: int) -> tuple:
+        """(new_w, new_h, top, left): the resized size and the centre crop's corner in it."""
+        # torchvision's Resize(int): the shorter side becomes `resize`, the other is truncated.
+        if width <= height:
+            new_w, new_h = self.resize, int(self.resize * height / width)
+        else:
+            new_w, new_h = int(self.resize * width / height), self.resize
+        return new_w, new_h, int(round((new_h - self.size) / 2.0)), int(round((new_w - self.size) / 2.0))
+
     def decode(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size
-        # torchvision's Resize(int): the shorter side becomes `resize`, the other is truncated.
-        if w <= h:
-            new_w, new_h = self.resize, int(self.resize * h / w)
-        else:
-            new_w, new_h = int(self.resize * w / h), self.resize
+        new_w, new_h, top, left = self.geometry(w, h)
         if self.draft:
             _draft(img, min(w / new_w, h / new_h))
         img = _rgb(img).resize((new_w, new_h), Image.BILINEAR)
-        top = int(round((new_h - self.size) / 2.0))
-        left = int(round((new_w - self.size) / 2.0))
         return _to_tensor(img.crop((left, top, left + self.size, top + self.size)))

@@ -68,7 +68,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     gradients add up (each loss divided by the count, so the step sees the mean over all of
     them) and, under DDP, are all-reduced once, with the last one. ``start_step`` batches of this
     epoch were done before (the loader already skips them); after each optimizer step
-    ``on_step(batches_done_in_epoch)`` runs (mid-epoch checkpoints) and ``stop()`` may end the
+    ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints) and ``stop()`` may end the
     epoch early (preemption); the result then says ``completed: False``. ``start_sums``: the
     metric sums (over all ranks) of the ``start_step`` batches done before, so a resumed epoch
     reports the whole epoch; ``on_step`` gets a function returning the sums so far, for its
@@ -125,12 +125,12 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                 precision.backward(loss if accum == 1 else loss / accum)
             if weight:
                 sums.add(loss, output, targets)
-            group_nonfinite = group_nonfinite | ~torch.isfinite(loss.detach())
+            group_nonfinite |= ~torch.isfinite(loss.detach())
         if last_micro and group_has_data:
             group_has_data = False
             # consecutive optimizer steps with a NaN/inf loss (any of their passes)
             nonfinite_run = (nonfinite_run + 1) * group_nonfinite
-            group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
+            group_nonfinite.zero_()
             stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
             if ema is not None:
                 ema.update(stepped)
@@ -168,12 +168,16 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             "steps_done": done, "partial_sums": partial}
 
 
+def _ddp(model: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
+    """The DDP wrapper of the training model, also when that wrapper was compiled; else None."""
+    net = getattr(model, "_orig_mod", model)
+    return net if isinstance(net, nn.parallel.DistributedDataParallel) else None
+
+
 def _grad_sync(model: nn.Module, sync: bool):
     """DDP's ``no_sync()`` for micro-batches whose gradients are still being accumulated."""
-    net = getattr(model, "_orig_mod", model)  # a compiled DDP wrapper
-    if not sync and isinstance(net, nn.parallel.DistributedDataParallel):
-        return net.no_sync()
-    return contextlib.nullcontext()
+    ddp = _ddp(model)
+    return ddp.no_sync() if ddp is not None and not sync else contextlib.nullcontext()
 
 
 def _schedule(scheduler, first: bool) -> None:
@@ -207,11 +211,8 @@ def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: Dis
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
     # (the eager one when the DDP wrapper was compiled).
-    net = getattr(model, "_orig_mod", model)
-    if isinstance(net, nn.parallel.DistributedDataParallel):
-        net = net.module
-    else:
-        net = model
+    ddp = _ddp(model)
+    net = ddp.module if ddp is not None else model
     net.eval()
     sums = DeviceSums(ctx.device)
     batch_time = AverageMeter()

@@ -20,10 +20,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from .decode import _rgb, _to_tensor
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
 
@@ -82,9 +83,8 @@ class TrainJpegReader:
         with Image.open(path) as img:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
                 return CpuDecoded(self.cpu(path))  # decoded here: counted as a fallback
-            top, left, height, width = self.cpu.crop_params(img)
-            flip = self.cpu.hflip > 0 and torch.rand(1).item() < self.cpu.hflip
-        return JpegJob(_read_bytes(path), path, "train", (top, left, height, width), self.cpu.size, flip)
+            box, flip = self.cpu.draw(img)
+        return JpegJob(_read_bytes(path), path, "train", box, self.cpu.size, flip)
 
 
 class ValJpegReader:
@@ -97,12 +97,8 @@ class ValJpegReader:
         with Image.open(path) as img:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
                 return CpuDecoded(self.cpu(path))
-            w, h = img.size
-        resize, size = self.cpu.resize, self.cpu.size
-        # torchvision's Resize(int): the shorter side becomes `resize`, the other is truncated.
-        new_w, new_h = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
-        top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
-        return JpegJob(_read_bytes(path), path, "val", (top, left, new_h, new_w), size)
+            new_w, new_h, top, left = self.cpu.geometry(*img.size)
+        return JpegJob(_read_bytes(path), path, "val", (top, left, new_h, new_w), self.cpu.size)
 
 
 def _resize(img: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -130,10 +126,9 @@ def _apply(job: JpegJob, img: torch.Tensor) -> torch.Tensor:
 def _cpu_decode(job: JpegJob) -> Optional[torch.Tensor]:
     try:
         with Image.open(io.BytesIO(job.data)) as img:
-            arr = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
+            return _to_tensor(_rgb(img)).permute(2, 0, 1)
     except Exception:
         return None
-    return torch.from_numpy(arr).permute(2, 0, 1)
 
 
 def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:

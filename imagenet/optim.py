@@ -54,14 +54,7 @@ def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: floa
         impl = "foreach"
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
     if impl == "fused":
-        # The fused kernel skips a step flagged as overflowing before it writes anything. If
-        # the very first step is skipped, torch would keep the uninitialised momentum buffers it
-        # allocated for it; zero buffers give the same first update as torch's own start
-        # (buffer = gradient, with no dampening) and nothing uninitialised to keep.
-        for group in optimizer.param_groups:
-            if group["momentum"] != 0:
-                for p in group["params"]:
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        _fused_momentum_buffers(optimizer)
     return optimizer
 
 
@@ -82,15 +75,25 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     for group, keep in zip(optimizer.param_groups, impl):
         group.update(keep)
     if impl and impl[0]["fused"]:
-        for group in optimizer.param_groups:
-            if group["momentum"] == 0:
-                continue
-            for p in group["params"]:
-                state = optimizer.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:  # saved before the first step: start at zero, as above
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif buf.stride() != p.stride():
-                    # Saved with the other memory layout (--channels-last changed): the fused CUDA
-                    # kernel wants the parameter's strides.
-                    state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(buf)
+        _fused_momentum_buffers(optimizer)
+
+
+def _fused_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter a momentum buffer the fused kernel can use from the first step.
+
+    The fused kernel skips a step flagged as overflowing before it writes anything. If the very
+    first step is skipped, torch would keep the uninitialised buffers it allocated for it; zero
+    buffers give the same first update as torch's own start (buffer = gradient, no dampening).
+    A buffer loaded from a run with the other memory layout (--channels-last changed) gets the
+    parameter's strides, which the fused CUDA kernel requires.
+    """
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif buf.stride() != p.stride():
+                state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(buf)

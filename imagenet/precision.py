@@ -60,6 +60,19 @@ def configure_tf32(enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
+class _SkipLog:
+    """Logs gradient-overflow skips: the first few, then they are only counted."""
+
+    def __init__(self):
+        self.logged = 0
+
+    def __call__(self, what: str) -> None:
+        if self.logged < _LOGGED_SKIPS:
+            self.logged += 1
+            logger.info("gradient overflow: %s%s", what, " (further skips are counted in the epoch summary)"
+                        if self.logged == _LOGGED_SKIPS else "")
+
+
 class LossScaler:
     """Static or dynamic loss scale for the fp16 master-weight trainer.
 
@@ -83,7 +96,7 @@ class LossScaler:
         self.max_scale = max_scale
         self._clean = 0
         self._skipped = 0
-        self._logged = 0
+        self._log = _SkipLog()
         self._dev: Optional[dict] = None  # scale, clean-step tracker, skip counter as device tensors
 
     # -- host view ---------------------------------------------------------------------------
@@ -95,12 +108,9 @@ class LossScaler:
                                              self._dev["skipped"]]).tolist()
         before = self._skipped
         self._scale, self._clean, self._skipped = scale, int(clean), int(skipped)
-        if self._skipped > before and self._logged < _LOGGED_SKIPS:
-            self._logged += 1
-            logger.info("gradient overflow: %d step(s) skipped since the last report, loss scale now %g%s",
-                        self._skipped - before, self._scale,
-                        " (further skips are counted in the epoch summary)" if self._logged == _LOGGED_SKIPS
-                        else "")
+        if self._skipped > before:
+            self._log(f"{self._skipped - before} step(s) skipped since the last report, loss scale now "
+                      f"{self._scale:g}")
 
     def _push(self) -> None:
         if self._dev is not None:
@@ -144,11 +154,7 @@ class LossScaler:
             old = self._scale
             if self.dynamic:
                 self._scale = max(self._scale / self.factor, self.min_scale)
-            if self._logged < _LOGGED_SKIPS:
-                self._logged += 1
-                logger.info("gradient overflow: step skipped, loss scale %g -> %g%s", old, self._scale,
-                            " (further skips are counted in the epoch summary)"
-                            if self._logged == _LOGGED_SKIPS else "")
+            self._log(f"step skipped, loss scale {old:g} -> {self._scale:g}")
         else:
             self._clean += 1
             if self.dynamic and self._clean >= self.window:
@@ -263,7 +269,7 @@ class AutocastPrecision(Precision):
                                            enabled=dtype == torch.float16)
         self._skipped = 0
         self._skipped_dev: Optional[torch.Tensor] = None  # skips decided on the device, not yet read
-        self._logged = 0
+        self._log = _SkipLog()
 
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -300,14 +306,8 @@ class AutocastPrecision(Precision):
         stepped = self.scaler.get_scale() >= before
         if not stepped:
             self._skipped += 1
-            self._log_skips(f"step skipped, loss scale {before:g} -> {self.scaler.get_scale():g}")
+            self._log(f"step skipped, loss scale {before:g} -> {self.scaler.get_scale():g}")
         return stepped
-
-    def _log_skips(self, what: str) -> None:
-        if self._logged < _LOGGED_SKIPS:
-            self._logged += 1
-            logger.info("gradient overflow: %s%s", what, " (further skips are counted in the epoch summary)"
-                        if self._logged == _LOGGED_SKIPS else "")
 
     def _pull(self) -> None:
         # Skips decided on the device since the last read (print time / epoch end only).
@@ -316,8 +316,8 @@ class AutocastPrecision(Precision):
             self._skipped_dev.zero_()
             self._skipped += new
             if new:
-                self._log_skips(f"{new} step(s) skipped since the last report, loss scale now "
-                                f"{self.scaler.get_scale():g}")
+                self._log(f"{new} step(s) skipped since the last report, loss scale now "
+                          f"{self.scaler.get_scale():g}")
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -447,11 +447,7 @@ class MasterWeightPrecision(Precision):
         if not overflow:
             self._clip([m for m in self.masters if m.grad is not None])
             optimizer.step()
-            if self.foreach:
-                torch._foreach_copy_(self.params, self._master_data)
-            else:
-                for p, m in zip(self.params, self.masters):
-                    p.copy_(m)
+            self._copy_masters_to_model()
         self.scaler.update(overflow)
         self._reset_grads()
         return not overflow
@@ -464,15 +460,18 @@ class MasterWeightPrecision(Precision):
             optimizer.step()  # the fused kernel leaves weights and momentum alone if found_inf
         finally:
             optimizer.found_inf = optimizer.grad_scale = None
-        if self.foreach:  # unchanged masters on a skip: copying them back is harmless
-            torch._foreach_copy_(self.params, self._master_data)
-        else:
-            for p, m in zip(self.params, self._master_data):
-                p.copy_(m)
+        self._copy_masters_to_model()  # unchanged masters on a skip: copying them back is harmless
         self.scaler.update_on_device(found_inf)
         stepped = found_inf.reshape(()) == 0  # a new tensor: found_inf is reused next step
         self._reset_grads()
         return stepped
+
+    def _copy_masters_to_model(self) -> None:
+        if self.foreach:
+            torch._foreach_copy_(self.params, self._master_data)
+        else:
+            for p, m in zip(self.params, self._master_data):
+                p.copy_(m)
 
     def _reset_grads(self) -> None:
         for p in self.params:
