@@ -26,6 +26,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
+BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "ddp", "small", "compile")
 
 
 def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
@@ -183,61 +184,77 @@ def phase_multigpu(args) -> None:
 
 
 def phase_bench(args) -> None:
+    """ResNet-50 step throughput, in groups (--groups): the 1-GPU precision x layout matrix; amp
+    against --fp16 interleaved (ab), with foreach SGD (foreach), under the profiler (profile);
+    DataParallel, ours against torch's (dp); DDP strong and weak scaling (ddp); the report's small
+    resnet18 step on 1 GPU and DataParallel (small); --compile rows. Ends with one table."""
+    groups = args.groups.split(",")
+    unknown = set(groups) - set(BENCH_GROUPS)
+    if unknown:
+        sys.exit(f"unknown bench group(s) {sorted(unknown)}; choose from {','.join(BENCH_GROUPS)}")
     common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
-    g0, two = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}
-    runs = []
-    if not args.skip_matrix:
-        runs.append(("bench-1gpu-matrix", f"{PY} {common} --matrix --json OUT/rows.json", g0))
-    if args.fused_ab:
-        # The optimizer's skip decided on the device (fused SGD, the default on GPUs) against the
-        # host-synced decision (foreach), side by side in one run.
-        # amp and fp16 twice, interleaved: a later row on a warmer GPU is not the slower mode
-        cl = "--matrix --precisions amp,fp16,amp-bf16,fp16,amp --layouts channels_last"
-        runs += [("bench-fused", f"{PY} {common} {cl} --optimizer-impl fused", g0),
-                 ("bench-foreach", f"{PY} {common} {cl} --optimizer-impl foreach", g0)]
-    for name, cmd, env in runs:
-        run_group([{"name": name, "cmd": cmd, "env": env}], args)
-        print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
-    best = args.bench_best
-    short = f"scripts/bench.py train --arch resnet50 --batch-size 256 --warmup 3 --steps 5 --windows 2"
-    scale = [("bench-1gpu", f"{PY} {common} --precision {best} --channels-last", g0),
-             # each DDP rank's share of the global batch, on one GPU: the ideal per-rank rate
-             ("bench-1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} "
-                                 f"--precision {best} --channels-last", g0),
-             # DataParallel was ~1.7 s a step (run B): time limits, and few steps for torch's own
-             ("bench-dp2", f"timeout 150 {PY} {common} --precision {best} --channels-last", two),
-             ("bench-dp2-torch", f"timeout 90 {PY} {short} --precision {best} --channels-last --dp-impl torch", two),
-             ("bench-dp2-torch-nobench", f"timeout 90 {PY} {short} --precision {best} --channels-last "
-                                         f"--dp-impl torch --no-cudnn-benchmark", two),
-             ("bench-ddp2", f"{PY} -m multiproc --log-dir OUT {common} --precision {best} --channels-last",
-              dict(two, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P"))]
-    for name, cmd, env in scale:
-        run_group([{"name": name, "cmd": cmd, "env": env}], args)
-        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
-    # DDP's gradient buckets: larger buckets (fewer all-reduces) and gradients as bucket views.
-    for name, extra in (("bench-ddp2-bucket100", "--ddp-bucket-mb 100"), ("bench-ddp2-view", "--ddp-bucket-view")):
-        run_group([{"name": name, "env": two, "cmd": f"{PY} -m multiproc --log-dir OUT {common} --precision {best} "
-                                                      f"--channels-last {extra}"}], args)
-        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
-    # Which transport NCCL chose between the two GPUs (P2P over NVLink, or SHM through the host).
-    log = os.path.join(args.out, "bench-ddp2", "log.txt")
-    lines = [ln.strip() for ln in open(log) if " via " in ln] if os.path.exists(log) else []
-    print("NCCL transport:", *sorted({ln.split("NCCL INFO")[-1] for ln in lines})[:8], sep="\n  ")
-    # Where DataParallel's time goes (it ran resnet18 at 28 px ~9x slower than one GPU here):
-    # the same small step on one GPU, then on two with DataParallel under the profiler.
+    short = "scripts/bench.py train --arch resnet50 --batch-size 256 --warmup 3 --steps 5 --windows 2"
     small = "scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 --precision fp32"
-    run_group([{"name": "small-1gpu", "env": g0, "cmd": f"{PY} {small} --warmup 5 --steps 10 --windows 3"}], args)
-    print(tail(os.path.join(args.out, "small-1gpu", "log.txt"), 3), flush=True)
-    name = "profile-dp2"
-    run_group([{"name": name, "env": two,
-                "cmd": f"{PY} {small} --warmup 5 --steps 5 --windows 2 --profile 5"}], args)
-    print(tail(os.path.join(args.out, name, "log.txt"), 40), flush=True)
-    for mode_prec in (args.compile_rows.split(",") if args.compile_rows else []):
-        prec = mode_prec
-        name = f"bench-compile-{prec}"
-        run_group([{"name": name, "env": g0,
-                    "cmd": f"{PY} {common} --precision {prec} --channels-last --compile default --warmup 20"}], args)
-        print(tail(os.path.join(args.out, name, "log.txt"), 4), flush=True)
+    best = f"--precision {args.bench_best} --channels-last"
+    g0, two = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}
+    nccl = dict(two, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,P2P")
+    # amp and fp16 twice, interleaved: a later row on a warmer GPU is not the slower mode
+    ab = "--matrix --precisions amp,fp16,amp-bf16,fp16,amp --layouts channels_last"
+    plan = {
+        "matrix": [("1gpu-matrix", f"{PY} {common} --matrix", g0)],
+        "ab": [("1gpu-ab-fused", f"{PY} {common} {ab} --optimizer-impl fused", g0)],
+        "foreach": [("1gpu-ab-foreach", f"{PY} {common} {ab} --optimizer-impl foreach", g0)],
+        "profile": [(f"profile-{p}", f"{PY} {common.replace('--windows 5', '--windows 1')} --precision {p} "
+                                     f"--channels-last --profile 5", g0) for p in ("amp", "fp16")],
+        "dp": [("dp2", f"timeout 150 {PY} {common} {best}", two),
+               # torch's own DataParallel searched cuDNN algorithms every step (~1.7 s): few steps
+               ("dp2-torch", f"timeout 90 {PY} {short} {best} --dp-impl torch", two)],
+        "ddp": [("1gpu-b256", f"{PY} {common} {best}", g0),
+                # each rank's share of a global 256 on one GPU: the ideal per-rank rate, strong scaling
+                ("1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} {best}", g0),
+                ("ddp2-b256", f"{PY} -m multiproc --log-dir OUT {common} {best}", nccl),
+                # weak scaling: 256 per GPU, as MLPerf and the scaling goal count it
+                ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common.replace('--batch-size 256', '--batch-size 512')} "
+                              f"{best}", two),
+                ("ddp2-b512-view", f"{PY} -m multiproc --log-dir OUT "
+                                   f"{common.replace('--batch-size 256', '--batch-size 512')} {best} "
+                                   f"--ddp-bucket-view --ddp-bucket-mb 100", two)],
+        "small": [("small-1gpu", f"{PY} {small} --warmup 5 --steps 10 --windows 3", g0),
+                  ("small-dp2", f"timeout 120 {PY} {small} --warmup 5 --steps 10 --windows 3", two),
+                  ("small-dp2-torch", f"timeout 90 {PY} {small} --warmup 3 --steps 5 --windows 2 --dp-impl torch",
+                   two)],
+        "compile": [(f"1gpu-compile-{p}", f"{PY} {common} --precision {p} --channels-last --compile default "
+                                          f"--warmup 20", g0)
+                    for p in (args.compile_rows.split(",") if args.compile_rows else [])],
+    }
+    summary = []
+    for group in groups:
+        for name, cmd, env in plan[group]:
+            if "scripts/bench.py" in cmd and "--profile" not in cmd:
+                cmd += " --json OUT/rows.json"
+            res = run_group([{"name": name, "cmd": cmd, "env": env}], args)[0]
+            log = os.path.join(args.out, name, "log.txt")
+            print(tail(log, 40 if name.startswith("profile") else 6), flush=True)
+            path = os.path.join(args.out, name, "rows.json")
+            for row in (json.load(open(path)) if os.path.exists(path) else [{}]):
+                summary.append((name, row, res, cmd, env))
+            if "NCCL_DEBUG" in env and os.path.exists(log):
+                # which transport NCCL chose between the GPUs (P2P over NVLink, or SHM through the host)
+                lines = {ln.split("NCCL INFO")[-1].strip() for ln in open(log) if " via " in ln}
+                print("NCCL transport:", *sorted(lines)[:8], sep="\n  ", flush=True)
+    print("\n| run | precision | layout | compile | optimizer | devices | global batch | img/s (median) | spread | peak GiB |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for name, row, res, cmd, env in summary:
+        if not row:
+            failed = "timed out" if res["rc"] in (124, 137) else f"exit {res['rc']}"
+            print(f"| {name} | | | | | | | {failed} | | |")
+            continue
+        print(f"| {name} | {row['precision']} | {'channels_last' if row['channels_last'] else 'contiguous'} | "
+              f"{row['compile']} | {row['optimizer']} | {row['devices']} {row['mode']} | {row['batch']} | {row['img_per_s']:.0f} | "
+              f"{row['min']:.0f}..{row['max']:.0f} | {row['peak_gib']:.1f} |")
+    print("\ncommands:")
+    for name, cmd, env in dict.fromkeys((n, c, tuple(e.items())) for n, _, _, c, e in summary):
+        print(f"- {name}: `{' '.join(f'{k}={v}' for k, v in env)} {cmd}`")
 
 
 def phase_jpeg(args) -> None:
@@ -355,8 +372,8 @@ def main() -> int:
     p.add_argument("--bench-best", default="fp16", help="precision for the DP/DDP scaling rows")
     p.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
     p.add_argument("--bench-steps", type=int, default=20)
-    p.add_argument("--skip-matrix", action="store_true", help="bench: no full precision x layout matrix")
-    p.add_argument("--fused-ab", action="store_true", help="bench: fused vs foreach optimizer, channels_last rows")
+    p.add_argument("--groups", default="matrix,ab,dp,ddp,small",
+                   help=f"bench: comma list of {','.join(BENCH_GROUPS)}")
     p.add_argument("--compile-rows", default="", help="bench: precisions to time with --compile default, e.g. fp16,amp-bf16")
     p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
