@@ -26,7 +26,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "ddp", "small", "compile")
+BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "small", "compile")
 
 
 def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
@@ -209,6 +209,10 @@ def phase_bench(args) -> None:
         "dp": [("dp2", f"timeout 150 {PY} {common} {best}", two),
                # torch's own DataParallel searched cuDNN algorithms every step (~1.7 s): few steps
                ("dp2-torch", f"timeout 90 {PY} {short} {best} --dp-impl torch", two)],
+        "dp-profile": [("dp2-b512", f"timeout 150 {PY} {common.replace('--batch-size 256', '--batch-size 512')} {best}",
+                        two),
+                       ("profile-dp2", f"timeout 150 {PY} {common.replace('--windows 5', '--windows 1')} {best} "
+                                       f"--profile 5", two)],
         "ddp": [("1gpu-b256", f"{PY} {common} {best}", g0),
                 # each rank's share of a global 256 on one GPU: the ideal per-rank rate, strong scaling
                 ("1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} {best}", g0),
