@@ -143,6 +143,12 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         print(f"profile of {args.profile} steps ({name}, {ctx.mode}), by {key}:")
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
+        if args.profile_json:  # every op, to compare two modes op by op offline
+            ops = [{"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
+                    "self_device_us": getattr(e, "self_device_time_total", None) or
+                    getattr(e, "self_cuda_time_total", 0)} for e in prof.key_averages()]
+            with open(args.profile_json, "w") as fh:
+                json.dump({"precision": name, "steps": args.profile, "ops": ops}, fh)
     del model, optimizer, precision
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -248,6 +254,7 @@ def main(argv=None) -> int:
     t.add_argument("--windows", type=int, default=5, help="timed windows; the median is reported")
     t.add_argument("--json", help="also write the rows to this file")
     t.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps, print top ops")
+    t.add_argument("--profile-json", help="with --profile: write every op's times to this file")
     d = sub.add_parser("data", help="input-pipeline throughput (decode, crop, collate, to device)")
     d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
     d.add_argument("--workers", type=int, default=2)

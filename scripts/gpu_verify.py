@@ -205,7 +205,7 @@ def phase_bench(args) -> None:
         "ab": [("1gpu-ab-fused", f"{PY} {common} {ab} --optimizer-impl fused", g0)],
         "foreach": [("1gpu-ab-foreach", f"{PY} {common} {ab} --optimizer-impl foreach", g0)],
         "profile": [(f"profile-{p}", f"{PY} {common.replace('--windows 5', '--windows 1')} --precision {p} "
-                                     f"--channels-last --profile 5", g0) for p in ("amp", "fp16")],
+                                     f"--channels-last --profile 5 --profile-json OUT/ops.json", g0) for p in ("amp", "fp16")],
         "dp": [("dp2", f"timeout 150 {PY} {common} {best}", two),
                # torch's own DataParallel searched cuDNN algorithms every step (~1.7 s): few steps
                ("dp2-torch", f"timeout 90 {PY} {short} {best} --dp-impl torch", two)],
@@ -227,7 +227,7 @@ def phase_bench(args) -> None:
                   ("small-dp2", f"timeout 120 {PY} {small} --warmup 5 --steps 10 --windows 3", two),
                   ("small-dp2-torch", f"timeout 90 {PY} {small} --warmup 3 --steps 5 --windows 2 --dp-impl torch",
                    two)],
-        "compile": [(f"1gpu-compile-{p}", f"{PY} {common} --precision {p} --channels-last --compile default "
+        "compile": [(f"1gpu-compile-{p}", f"timeout 240 {PY} {common} --precision {p} --channels-last --compile default "
                                           f"--warmup 20", g0)
                     for p in (args.compile_rows.split(",") if args.compile_rows else [])],
     }
@@ -246,6 +246,8 @@ def phase_bench(args) -> None:
                 # which transport NCCL chose between the GPUs (P2P over NVLink, or SHM through the host)
                 lines = {ln.split("NCCL INFO")[-1].strip() for ln in open(log) if " via " in ln}
                 print("NCCL transport:", *sorted(lines)[:8], sep="\n  ", flush=True)
+    if "profile" in groups:
+        profile_diff(*(os.path.join(args.out, f"profile-{p}", "ops.json") for p in ("amp", "fp16")))
     print("\n| run | precision | layout | compile | optimizer | devices | global batch | img/s (median) | spread | peak GiB |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
     for name, row, res, cmd, env in summary:
@@ -261,12 +263,29 @@ def phase_bench(args) -> None:
         print(f"- {name}: `{' '.join(f'{k}={v}' for k, v in env)} {cmd}`")
 
 
+def profile_diff(path_a: str, path_b: str, rows: int = 20) -> None:
+    """The ops whose device time per step differs most between two --profile-json files."""
+    if not (os.path.exists(path_a) and os.path.exists(path_b)):
+        print("profile diff: missing", path_a if not os.path.exists(path_a) else path_b)
+        return
+    a, b = json.load(open(path_a)), json.load(open(path_b))
+    per_step = lambda d: {o["name"]: (o["self_device_us"] / d["steps"], o["calls"] / d["steps"]) for o in d["ops"]}
+    pa, pb = per_step(a), per_step(b)
+    print(f"\nprofile, {a['precision']} vs {b['precision']}: the ops (and kernels) whose device time differs most")
+    diffs = sorted(set(pa) | set(pb), key=lambda k: -abs(pb.get(k, (0, 0))[0] - pa.get(k, (0, 0))[0]))
+    print(f"| op | {a['precision']} us/step | calls | {b['precision']} us/step | calls | difference us |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for k in diffs[:rows]:
+        (ta, ca), (tb, cb) = pa.get(k, (0, 0)), pb.get(k, (0, 0))
+        print(f"| {k[:70]} | {ta:.0f} | {ca:.0f} | {tb:.0f} | {cb:.0f} | {tb - ta:+.0f} |")
+
+
 def phase_jpeg(args) -> None:
     """Input pipelines on ImageNet-shaped JPEGs: loader throughput (classic / fast CPU decode /
-    GPU decode) and end-to-end ResNet-50 training steps with CPU and with GPU decode."""
+    GPU decode) and end-to-end ResNet-50 training epochs with CPU and with GPU decode."""
     data = "/tmp/bench_jpeg"
     if not os.path.isdir(os.path.join(data, "train")):
-        cmd = f"{PY} scripts/make_benchmark_imagefolder.py {data} --classes 100 --train-per-class 60 --val-per-class 4"
+        cmd = f"{PY} scripts/make_benchmark_imagefolder.py {data} --classes 100 --train-per-class 100 --val-per-class 4"
         print("$", cmd, flush=True)
         if sh(cmd, os.path.join(args.out, "make_jpeg.log")).returncode:
             sys.exit("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
@@ -274,12 +293,25 @@ def phase_jpeg(args) -> None:
     w = args.workers
     runs = [("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 --batches 4 "
                                f"--windows 5 --pipelines classic,fast,gpu", g0)]
-    train = (f"main.py {data} -a resnet50 -b 256 --amp --channels-last -j {w} --epochs 1 --prof 20 -p 5 "
+    # Three epochs of 10,000 images each; the table reports the median epoch's rate.
+    train = (f"main.py {data} -a resnet50 -b 256 --amp --channels-last -j {w} --epochs 3 -p 10 "
              f"--output-dir OUT")
     runs += [("e2e-cpu-decode", f"{PY} {train}", g0), ("e2e-gpu-decode", f"{PY} {train} --decode gpu", g0)]
+    results = []
     for name, cmd, env in runs:
-        run_group([{"name": name, "cmd": cmd, "env": env}], args)
+        results += run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
+    print("\n| run | train img/s per epoch | median | decoded on GPU | CPU fallbacks |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in results[1:]:
+        rows = last_metrics(os.path.join(args.out, r["name"]))
+        rates = ", ".join(f"{x['img_per_s']:.0f}" for x in rows)
+        gpu = sum(x.get("decoded_on_gpu", 0) for x in rows)
+        cpu = sum(x.get("decode_fallbacks", 0) for x in rows)
+        print(f"| {r['name']} | {rates or 'FAILED'} | {r['img_per_s'] or 0:.0f} | {gpu} | {cpu} |")
+    print("\ncommands:")
+    for r in results:
+        print(f"- {r['name']}: `{' '.join(f'{k}={v}' for k, v in r['env'].items())} {r['cmd']}`")
 
 
 def phase_recipe(args) -> None:
