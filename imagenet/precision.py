@@ -431,7 +431,7 @@ class MasterWeightPrecision(Precision):
                 inv_scale = self._inv_scale.fill_(1.0 / self.scaler.scale)
             if self.foreach:
                 # One multi-tensor pass: fp16 -> fp32 copy, then unscale and inf/NaN check together.
-                torch._foreach_copy_(master_grads, model_grads)
+                copy_by_dtype(master_grads, model_grads)
                 torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
             else:
                 for mg, g in zip(master_grads, model_grads):
@@ -468,7 +468,7 @@ class MasterWeightPrecision(Precision):
 
     def _copy_masters_to_model(self) -> None:
         if self.foreach:
-            torch._foreach_copy_(self.params, self._master_data)
+            copy_by_dtype(self.params, self._master_data)
         else:
             for p, m in zip(self.params, self._master_data):
                 p.copy_(m)
@@ -511,6 +511,19 @@ class MasterWeightPrecision(Precision):
             self.scaler.load_state_dict(state["scaler"])
             if static is not None:  # a static --loss-scale on this command line wins
                 self.scaler.scale = static
+
+
+def copy_by_dtype(dst: list, src: list) -> None:
+    """``torch._foreach_copy_(dst, src)``, one call per (dst dtype, src dtype) group. The CUDA
+    multi-tensor kernel only takes lists of one dtype each: a list mixing fp16 weights with fp32
+    BatchNorm parameters silently falls back to one copy (or memcpy) per tensor."""
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        pair = groups.setdefault((d.dtype, s.dtype), ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for d, s in groups.values():
+        torch._foreach_copy_(d, s)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list:

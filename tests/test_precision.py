@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision,
-                                iter_norm_modules, unwrap)
+                                copy_by_dtype, iter_norm_modules, unwrap)
 
 
 def small_net(seed=0):
@@ -121,6 +121,39 @@ def test_master_weight_mechanics_are_exact_with_an_fp32_model():
         assert torch.equal(a, b), name
     for a, m in zip(ref.parameters(), prec.masters):
         assert torch.equal(a, m)
+
+
+def test_master_copies_are_one_dtype_per_multi_tensor_call(monkeypatch):
+    """The fp16 model mixes fp16 weights and fp32 BatchNorm parameters; CUDA's multi-tensor copy
+    falls back to one kernel per tensor on a mixed list, so each call must get one dtype per list,
+    and together the calls must cover every parameter once, both ways."""
+    calls = []
+    real = torch._foreach_copy_
+
+    def spy(dst, src, **kw):
+        calls.append((list(dst), list(src)))
+        return real(dst, src, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    prec = MasterWeightPrecision(LossScaler(init_scale=256.0, dynamic=False))
+    model, _, stepped = train(prec, small_net(), batches(1))
+    assert all(stepped)
+    params = list(model.parameters())
+    assert {p.dtype for p in params} == {torch.float16, torch.float32}
+    for dst, src in calls:
+        assert len({t.dtype for t in dst}) == 1 and len({t.dtype for t in src}) == 1
+    grads_in = [id(d) for dst, _ in calls for d in dst if any(d is m.grad for m in prec.masters)]
+    model_in = [id(d) for dst, _ in calls for d in dst if any(d is p for p in params)]
+    assert sorted(grads_in) == sorted(id(m.grad) for m in prec.masters)  # each master grad filled once
+    assert sorted(model_in) == sorted(id(p) for p in params)  # each model parameter refreshed once
+
+
+def test_copy_by_dtype_copies_every_pair():
+    dst = [torch.zeros(3, dtype=torch.float16), torch.zeros(2), torch.zeros(4, dtype=torch.float16)]
+    src = [torch.arange(3.0), torch.arange(2.0, dtype=torch.float16), torch.arange(4.0)]
+    copy_by_dtype(dst, src)
+    for d, s in zip(dst, src):
+        assert d.dtype != s.dtype and torch.equal(d.float(), s.float())
 
 
 def test_fp16_masters_match_fp32_within_fp16_rounding():
