@@ -166,6 +166,39 @@ def test_a_16_bit_training_step_never_waits_for_the_host(mode):
 
 
 @two_gpus
+def test_cached_replicas_train_as_torchs_data_parallel_over_steps_and_modes():
+    """Three training steps (BN in train mode), then an eval forward: the cached replicas must
+    see each step's new weights and running statistics, and the switch to eval."""
+    torch.backends.cudnn.deterministic = True
+    try:
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        batches = [(torch.randn(16, 3, 28, 28, device="cuda:0", generator=g),
+                    torch.randint(0, 10, (16,), device="cuda:0", generator=g)) for _ in range(3)]
+        results = []
+        for dp_class in (nn.DataParallel, DataParallel):
+            model, prec = _fp16_resnet()
+            opt = torch.optim.SGD(prec.param_groups([{"params": list(model.parameters())}]), lr=0.1, momentum=0.9)
+            net = dp_class(model, device_ids=[0, 1])
+            net.train()
+            for x, y in batches:
+                prec.backward(nn.functional.cross_entropy(prec.forward(net, x), y))
+                assert prec.step(opt)
+            net.eval()
+            with torch.no_grad():
+                out = prec.forward(net, batches[0][0])
+            results.append(([m.detach().clone() for m in prec.masters], model.bn1.running_mean.clone(), out))
+        (ma, rma, oa), (mb, rmb, ob) = results
+        # the same kernels on the same data: equal but for reduction order (stale weights, a missed
+        # eval switch or unrefreshed statistics would differ by orders of magnitude more)
+        for a, b in zip(ma, mb):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rma, rmb, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(oa, ob, rtol=1e-3, atol=1e-3)
+    finally:
+        torch.backends.cudnn.deterministic = False
+
+
+@two_gpus
 def test_persistent_data_parallel_reuses_its_threads_and_trains():
     """The point of imagenet.dataparallel: each GPU's replica runs on the same thread every step
     (cuDNN's plan cache is per thread), through forward and backward, in train mode."""
