@@ -26,7 +26,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "small", "compile")
+BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "weak", "small", "compile")
 
 
 def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
@@ -223,6 +223,11 @@ def phase_bench(args) -> None:
                 ("ddp2-b512-view", f"{PY} -m multiproc --log-dir OUT "
                                    f"{common.replace('--batch-size 256', '--batch-size 512')} {best} "
                                    f"--ddp-bucket-view --ddp-bucket-mb 100", two)],
+        # 256 images per GPU, side by side: one GPU, DDP x2 and DataParallel x2
+        "weak": [("1gpu-b256", f"{PY} {common} {best}", g0),
+                 ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common.replace('--batch-size 256', '--batch-size 512')} "
+                               f"{best}", two),
+                 ("dp2-b512", f"timeout 150 {PY} {common.replace('--batch-size 256', '--batch-size 512')} {best}", two)],
         "small": [("small-1gpu", f"{PY} {small} --warmup 5 --steps 10 --windows 3", g0),
                   ("small-dp2", f"timeout 120 {PY} {small} --warmup 5 --steps 10 --windows 3", two),
                   ("small-dp2-torch", f"timeout 90 {PY} {small} --warmup 3 --steps 5 --windows 2 --dp-impl torch",
@@ -291,12 +296,13 @@ def phase_jpeg(args) -> None:
             sys.exit("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
     g0 = {"CUDA_VISIBLE_DEVICES": "0"}
     w = args.workers
-    runs = [("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 --batches 4 "
-                               f"--windows 5 --pipelines classic,fast,gpu", g0)]
+    runs = [("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 "
+                               f"--windows {args.data_windows} --pipelines classic,fast,gpu", g0)]
     # Three epochs of 10,000 images each; the table reports the median epoch's rate.
     train = (f"main.py {data} -a resnet50 -b 256 --amp --channels-last -j {w} --epochs 3 -p 10 "
              f"--output-dir OUT")
-    runs += [("e2e-cpu-decode", f"{PY} {train}", g0), ("e2e-gpu-decode", f"{PY} {train} --decode gpu", g0)]
+    if not args.skip_e2e:
+        runs += [("e2e-cpu-decode", f"{PY} {train}", g0), ("e2e-gpu-decode", f"{PY} {train} --decode gpu", g0)]
     results = []
     for name, cmd, env in runs:
         results += run_group([{"name": name, "cmd": cmd, "env": env}], args)
@@ -411,6 +417,8 @@ def main() -> int:
     p.add_argument("--groups", default="matrix,ab,dp,ddp,small",
                    help=f"bench: comma list of {','.join(BENCH_GROUPS)}")
     p.add_argument("--compile-rows", default="", help="bench: precisions to time with --compile default, e.g. fp16,amp-bf16")
+    p.add_argument("--data-windows", type=int, default=5, help="jpeg: timed windows per input pipeline")
+    p.add_argument("--skip-e2e", action="store_true", help="jpeg: the loader benchmark only")
     p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
