@@ -61,3 +61,16 @@ def test_average_is_validated_checkpointed_and_resumed_exactly(digits, tmp_path,
 def test_bad_decay_is_refused(decay, capsys):
     assert main(["--model-ema", decay]) == 2
     assert "--model-ema" in capsys.readouterr().err
+
+
+def test_the_average_never_changes_the_trained_weights(digits, tmp_path):
+    """The average is an observer: with and without --model-ema (validated every epoch) the
+    trained model follows the same trajectory, bit for bit on the CPU."""
+    plain, averaged = tmp_path / "plain", tmp_path / "ema"
+    no_ema = [a for a in argv(digits, plain, "--epochs", "2") if a not in ("--model-ema", "0.9")]
+    assert main(no_ema) == 0
+    assert main(argv(digits, averaged, "--epochs", "2")) == 0
+    a = torch.load(plain / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    b = torch.load(averaged / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
