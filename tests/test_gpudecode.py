@@ -105,12 +105,13 @@ def test_a_file_whose_header_is_cut_is_skipped_by_the_dataset(files, tmp_path):
     assert ds[(0, 1)][0] is None and ds[(0, 1)][2].endswith("cut.JPEG")
 
 
-def test_the_device_loader_drops_targets_of_skipped_images(files):
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background-thread"])
+def test_the_device_loader_drops_targets_of_skipped_images(files, background):
     reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
     batch = collate_skipping([(reader(files["jpeg"][0]), 3, None), (garbage_job(files["bad"]), 4, None),
                               (reader(files["png"]), 5, None), (None, 6, "unreadable.JPEG")])
     assert isinstance(batch[0], JpegBatch)
-    loader = DeviceLoader([batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    loader = DeviceLoader([batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), background=background)
     images, targets, skipped = next(iter(loader))
     assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
     assert targets.tolist() == [3, 5] and skipped == ["unreadable.JPEG", files["bad"]]
@@ -154,11 +155,12 @@ def test_gpu_decode_without_a_gpu_is_a_clear_error(digits, tmp_path, capsys):
     assert "--decode gpu needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_a_batch_of_fallbacks_only_is_still_counted(files):
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background-thread"])
+def test_a_batch_of_fallbacks_only_is_still_counted(files, background):
     reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
     batch = collate_skipping([(reader(files["png"]), 1, None), (reader(files["cmyk"]), 2, None)])
     assert isinstance(batch[0], JpegBatch)
-    loader = DeviceLoader([batch, batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    loader = DeviceLoader([batch, batch], CPU, False, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), background=background)
     for images, targets, _ in loader:
         assert images.shape == (2, 3, 32, 32)
         break  # the second batch is never taken: it must not be counted
