@@ -372,5 +372,6 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_sampler = ShardSampler(len(data.val), rank, world)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
-    return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD)
+    return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
+                              background=cfg.decode == "gpu")
                  for loader in (train_loader, val_loader))

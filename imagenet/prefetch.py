@@ -4,10 +4,18 @@ Loaders yield ``(images, targets, skipped_paths)``. uint8 NHWC images (the fast 
 are converted to float and normalised on the device; the NHWC layout is already channels_last
 memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
 synthetic data) pass through, laid out as asked.
+
+With ``background=True`` (``--decode gpu``) a thread takes the batches from the DataLoader and
+prepares them -- nvJPEG decode, crops, resizes -- on its own stream, up to ``depth`` batches
+ahead. That work is mostly host-side launching (a few kernels per image); in the training thread
+it ran in series with the step's own launches, so the step waited for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from typing import Iterator, Sequence
 
 import torch
@@ -19,8 +27,10 @@ class DeviceLoader:
     """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
 
     def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
-                 std: Sequence[float]):
+                 std: Sequence[float], background: bool = False, depth: int = 2):
         self.loader = loader
+        self.background = background
+        self.depth = depth
         self.device = device
         self.channels_last = channels_last
         # (x / 255 - mean) / std == x * scale + shift, one fused multiply-add per element
@@ -77,6 +87,9 @@ class DeviceLoader:
         return tuple(batch)
 
     def __iter__(self) -> Iterator[tuple]:
+        if self.background:
+            yield from self._in_background()
+            return
         if self.device.type != "cuda":
             for batch in self.loader:
                 yield self._yielded(self._to_device(batch))
@@ -107,3 +120,60 @@ class DeviceLoader:
                 targets.record_stream(main)
             upcoming = load()  # the next copy overlaps this batch's compute
             yield current
+
+    def _in_background(self) -> Iterator[tuple]:
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        it = iter(self.loader)
+
+        def offer(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                with torch.cuda.device(self.device) if cuda else contextlib.nullcontext(), \
+                        torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    for batch in it:
+                        prepared = self._to_device(batch)
+                        event = None
+                        if cuda:
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                        if not offer(("batch", prepared, event)):
+                            return
+                offer(("end", None, None))
+            except BaseException as e:  # raised again in the training thread
+                offer(("error", e, None))
+
+        thread = threading.Thread(target=produce, name="batch-prepare", daemon=True)
+        thread.start()
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        try:
+            while True:
+                kind, prepared, event = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise prepared
+                current = self._yielded(prepared)
+                if cuda:
+                    main.wait_event(event)
+                    images, targets, _ = current
+                    if targets.numel():
+                        images.record_stream(main)  # made on the side stream, used on main
+                        targets.record_stream(main)
+                yield current
+        finally:
+            # The thread must be done with the loader's iterator before anyone makes a new one
+            # (persistent workers reuse it): stop it and wait for the batch it is on.
+            stop.set()
+            thread.join()
+

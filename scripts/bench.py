@@ -214,7 +214,7 @@ def bench_data(args) -> int:
                                          num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
                                          pin_memory=device.type == "cuda", persistent_workers=False,
                                          prefetch_factor=PREFETCH if args.workers else None),
-                              device, True, IMAGENET_MEAN, IMAGENET_STD)
+                              device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu")
         rates, seen, t0, count = [], 0, None, 0
         it = iter(loader)
         while len(rates) < args.windows:

@@ -86,11 +86,13 @@ class _Numbered(torch.utils.data.Dataset):
         return torch.full((4, 4, 3), i % 256, dtype=torch.uint8), i, None
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background-thread"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_device_loader_yields_every_batch_exactly_once(device):
+def test_device_loader_yields_every_batch_exactly_once(device, background):
     loader = DeviceLoader(DataLoader(_Numbered(), batch_size=5, collate_fn=collate_skipping, num_workers=2),
-                          torch.device(device), True, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255))
+                          torch.device(device), True, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255),
+                          background=background)
     seen = []
     for images, targets, _ in loader:
         assert images.device.type == device
@@ -99,6 +101,42 @@ def test_device_loader_yields_every_batch_exactly_once(device):
         seen += targets.cpu().tolist()
     assert seen == list(range(37))
     assert len(loader) == 8
+
+
+def _background_loader(dataset, **kw):
+    return DeviceLoader(DataLoader(dataset, batch_size=5, collate_fn=collate_skipping, **kw), torch.device("cpu"),
+                        False, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255), background=True)
+
+
+def test_background_loader_stops_its_thread_when_the_loop_breaks_and_starts_again():
+    """An early stop (--prof, preemption) must leave no thread on the loader's iterator: with
+    persistent workers the next epoch's iterator is the same object."""
+    import threading
+    loader = _background_loader(_Numbered(), num_workers=2, persistent_workers=True)
+    for k, (_, targets, _) in enumerate(loader):
+        if k == 2:
+            break
+    assert not [t for t in threading.enumerate() if t.name == "batch-prepare"]
+    seen = [i for _, targets, _ in loader for i in targets.tolist()]
+    assert seen == list(range(37))
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == 12:
+            raise ValueError("item 12 is broken")
+        return torch.zeros(4, 4, 3, dtype=torch.uint8), i, None
+
+
+def test_background_loader_raises_the_loaders_error_in_the_training_thread():
+    seen = []
+    with pytest.raises(ValueError, match="item 12 is broken"):
+        for _, targets, _ in _background_loader(_FailsAt(), num_workers=0):
+            seen += targets.tolist()
+    assert seen == list(range(10))  # the batches before the broken one arrived, in order
 
 
 def test_unreadable_batch_passes_through_untouched():
