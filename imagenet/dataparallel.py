@@ -67,7 +67,7 @@ class ReplicaCache:
         self._roots: list = []
         self._modules: list = []  # (network module, [its replica on each device])
         self._params: list = []  # (replica index j, replica module, attribute name, param index)
-        self._buffers: list = []  # (j, replica, name, buffer index, requires grad)
+        self._buffers: list = []  # (replica index j, replica module, buffer name, buffer index)
 
     def __call__(self, network: nn.Module, devices: Sequence[int], detach: bool) -> list:
         modules = list(network.modules())

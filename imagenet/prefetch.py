@@ -173,7 +173,9 @@ class DeviceLoader:
                 yield current
         finally:
             # The thread must be done with the loader's iterator before anyone makes a new one
-            # (persistent workers reuse it): stop it and wait for the batch it is on.
+            # (persistent workers reuse it): stop it and wait for the batch it is on. The
+            # DataLoader notices dead workers within seconds, so the wait is bounded; the limit
+            # only keeps an interrupted run from hanging at exit.
             stop.set()
-            thread.join()
+            thread.join(timeout=120)
 
