@@ -232,9 +232,11 @@ def phase_bench(args) -> None:
                   ("small-dp2", f"timeout 120 {PY} {small} --warmup 5 --steps 10 --windows 3", two),
                   ("small-dp2-torch", f"timeout 90 {PY} {small} --warmup 3 --steps 5 --windows 2 --dp-impl torch",
                    two)],
-        "compile": [(f"1gpu-compile-{p}", f"timeout 240 {PY} {common} --precision {p} --channels-last --compile default "
-                                          f"--warmup 20", g0)
-                    for p in (args.compile_rows.split(",") if args.compile_rows else [])],
+        # PRECISION or PRECISION:MODE (torch.compile mode, default "default")
+        "compile": [(f"1gpu-compile-{row.replace(':', '-')}",
+                     f"timeout 240 {PY} {common} --precision {row.split(':')[0]} --channels-last "
+                     f"--compile {(row.split(':') + ['default'])[1]} --warmup 20", g0)
+                    for row in (args.compile_rows.split(",") if args.compile_rows else [])],
     }
     summary = []
     for group in groups:
@@ -320,12 +322,21 @@ def phase_jpeg(args) -> None:
         print(f"- {r['name']}: `{' '.join(f'{k}={v}' for k, v in r['env'].items())} {r['cmd']}`")
 
 
+RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
+                   "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1"}
+
+
 def phase_recipe(args) -> None:
-    """The plain fp16 recipe vs the same with a weight average and label smoothing, for each of
-    --seeds (runs alternate between the GPUs, all at once: accuracy only), then the mean of each."""
+    """The plain fp16 recipe vs the same with a weight average and/or label smoothing
+    (--variants), for each of --seeds (runs alternate between the GPUs, all at once: accuracy
+    only), then the mean of each."""
+    names = args.variants.split(",")
+    unknown = set(names) - set(RECIPE_VARIANTS)
+    if unknown:
+        sys.exit(f"unknown recipe variant(s) {sorted(unknown)}; choose from {','.join(RECIPE_VARIANTS)}")
     data = ensure_fashion(args)
     base = f"{PY} {recipe(args, data)} --fp16"
-    variants = (("plain", ""), ("ema-ls", " --model-ema 0.999 --label-smoothing 0.1"))
+    variants = [(v, RECIPE_VARIANTS[v]) for v in names]
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = [{"name": f"r-fp16-{v}-s{seed}", "cmd": f"{base}{extra} --seed {seed}",
              "env": {"CUDA_VISIBLE_DEVICES": str(k % 2)}}
@@ -338,14 +349,14 @@ def phase_recipe(args) -> None:
                   f"best {max(x['val_acc1_ema'] for x in rows):.2f}")
     table(results, f"r-fp16-plain-s{seeds[0]}")
     for v, _ in variants:
-        accs = [r["acc1"] for r in results if f"-{v}-s" in r["name"] and r["acc1"] is not None]
+        accs = [r["acc1"] for r in results if r["name"].rsplit("-s", 1)[0] == f"r-fp16-{v}" and r["acc1"] is not None]
         if accs:
             print(f"{v}: final Acc@1 mean {sum(accs) / len(accs):.2f} over {len(accs)} seed(s), "
                   f"min {min(accs):.2f}, max {max(accs):.2f}")
     png = os.path.join(args.out, "recipe-fp16-ema-ls.png")
     dirs = " ".join(os.path.join(args.out, f"r-fp16-{v}-s{seeds[0]}") for v, _ in variants)
     sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
-       f"plain vs weight average + label smoothing'", os.path.join(args.out, "plot.log"))
+       f"{' vs '.join(names)}'", os.path.join(args.out, "plot.log"))
     print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
 
 
@@ -416,10 +427,13 @@ def main() -> int:
     p.add_argument("--bench-steps", type=int, default=20)
     p.add_argument("--groups", default="matrix,ab,dp,ddp,small",
                    help=f"bench: comma list of {','.join(BENCH_GROUPS)}")
-    p.add_argument("--compile-rows", default="", help="bench: precisions to time with --compile default, e.g. fp16,amp-bf16")
+    p.add_argument("--compile-rows", default="",
+                   help="bench: PRECISION[:MODE] rows to time compiled, e.g. fp16,fp16:max-autotune,amp-bf16")
     p.add_argument("--data-windows", type=int, default=5, help="jpeg: timed windows per input pipeline")
     p.add_argument("--skip-e2e", action="store_true", help="jpeg: the loader benchmark only")
     p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
+    p.add_argument("--variants", default="plain,ema-ls",
+                   help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing)")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
