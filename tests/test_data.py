@@ -156,7 +156,7 @@ def test_check_layout_accepts_images_in_nested_folders(tmp_path):
 def _cfg(**over):
     base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0,
                 data_pipeline="fast", no_jpeg_draft=False, channels_last=False, auto_augment="none",
-                random_erase=0.0)
+                random_erase=0.0, decode="cpu")
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -294,6 +294,13 @@ def test_build_loaders_shapes():
     assert sum(len(t) for _, t, _ in val) == 5
     images, targets, skipped = next(iter(train))
     assert images.shape == (4, 3, 8, 8) and targets.shape == (4,) and skipped == []
+
+
+def test_gpu_decode_prepares_batches_in_a_background_thread():
+    for decode, background in (("cpu", False), ("gpu", True)):
+        train, val = build_loaders(_cfg(batch_size=4, decode=decode), _bundle(10, 5), _ctx(), seed=0)
+        assert train.background is background and val.background is background
+        assert sum(len(t) for _, t, _ in val) == 5
 
 
 # ------------------------------------------------------------------------------ the real CLI
