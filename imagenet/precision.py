@@ -390,6 +390,7 @@ class MasterWeightPrecision(Precision):
             m.grad = torch.zeros_like(m)  # allocated once; refilled from the model every step
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         self._master_data = [m.detach() for m in self.masters]
+        self._to_model = dtype_groups(self.params, self._master_data)  # fixed: grouped once, not per step
         device = self.masters[0].device
         self._found_inf = torch.zeros(1, device=device)
         self._inv_scale = torch.ones(1, device=device)
@@ -468,7 +469,8 @@ class MasterWeightPrecision(Precision):
 
     def _copy_masters_to_model(self) -> None:
         if self.foreach:
-            copy_by_dtype(self.params, self._master_data)
+            for params, masters in self._to_model:
+                torch._foreach_copy_(params, masters)
         else:
             for p, m in zip(self.params, self._master_data):
                 p.copy_(m)
@@ -513,16 +515,21 @@ class MasterWeightPrecision(Precision):
                 self.scaler.scale = static
 
 
-def copy_by_dtype(dst: list, src: list) -> None:
-    """``torch._foreach_copy_(dst, src)``, one call per (dst dtype, src dtype) group. The CUDA
-    multi-tensor kernel only takes lists of one dtype each: a list mixing fp16 weights with fp32
-    BatchNorm parameters silently falls back to one copy (or memcpy) per tensor."""
+def dtype_groups(dst: list, src: list) -> list:
+    """(dst, src) pairs split into lists of one (dst dtype, src dtype) each. The CUDA multi-tensor
+    copy only takes lists of one dtype: a list mixing fp16 weights with fp32 BatchNorm parameters
+    silently falls back to one copy (or memcpy) per tensor."""
     groups: dict = {}
     for d, s in zip(dst, src):
         pair = groups.setdefault((d.dtype, s.dtype), ([], []))
         pair[0].append(d)
         pair[1].append(s)
-    for d, s in groups.values():
+    return list(groups.values())
+
+
+def copy_by_dtype(dst: list, src: list) -> None:
+    """``torch._foreach_copy_(dst, src)``, one multi-tensor call per :func:`dtype_groups` group."""
+    for d, s in dtype_groups(dst, src):
         torch._foreach_copy_(d, s)
 
 

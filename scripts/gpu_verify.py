@@ -193,6 +193,7 @@ def phase_bench(args) -> None:
     if unknown:
         sys.exit(f"unknown bench group(s) {sorted(unknown)}; choose from {','.join(BENCH_GROUPS)}")
     common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
+    common512 = common.replace("--batch-size 256", "--batch-size 512")  # 256 per GPU on two
     short = "scripts/bench.py train --arch resnet50 --batch-size 256 --warmup 3 --steps 5 --windows 2"
     small = "scripts/bench.py train --arch resnet18 --image-size 28 --batch-size 128 --precision fp32"
     best = f"--precision {args.bench_best} --channels-last"
@@ -209,7 +210,7 @@ def phase_bench(args) -> None:
         "dp": [("dp2", f"timeout 150 {PY} {common} {best}", two),
                # torch's own DataParallel searched cuDNN algorithms every step (~1.7 s): few steps
                ("dp2-torch", f"timeout 90 {PY} {short} {best} --dp-impl torch", two)],
-        "dp-profile": [("dp2-b512", f"timeout 150 {PY} {common.replace('--batch-size 256', '--batch-size 512')} {best}",
+        "dp-profile": [("dp2-b512", f"timeout 150 {PY} {common512} {best}",
                         two),
                        ("profile-dp2", f"timeout 150 {PY} {common.replace('--windows 5', '--windows 1')} {best} "
                                        f"--profile 5", two)],
@@ -218,16 +219,16 @@ def phase_bench(args) -> None:
                 ("1gpu-b128", f"{PY} {common.replace('--batch-size 256', '--batch-size 128')} {best}", g0),
                 ("ddp2-b256", f"{PY} -m multiproc --log-dir OUT {common} {best}", nccl),
                 # weak scaling: 256 per GPU, as MLPerf and the scaling goal count it
-                ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common.replace('--batch-size 256', '--batch-size 512')} "
+                ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common512} "
                               f"{best}", two),
                 ("ddp2-b512-view", f"{PY} -m multiproc --log-dir OUT "
-                                   f"{common.replace('--batch-size 256', '--batch-size 512')} {best} "
+                                   f"{common512} {best} "
                                    f"--ddp-bucket-view --ddp-bucket-mb 100", two)],
         # 256 images per GPU, side by side: one GPU, DDP x2 and DataParallel x2
         "weak": [("1gpu-b256", f"{PY} {common} {best}", g0),
-                 ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common.replace('--batch-size 256', '--batch-size 512')} "
+                 ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common512} "
                                f"{best}", two),
-                 ("dp2-b512", f"timeout 150 {PY} {common.replace('--batch-size 256', '--batch-size 512')} {best}", two)],
+                 ("dp2-b512", f"timeout 150 {PY} {common512} {best}", two)],
         "small": [("small-1gpu", f"{PY} {small} --warmup 5 --steps 10 --windows 3", g0),
                   ("small-dp2", f"timeout 120 {PY} {small} --warmup 5 --steps 10 --windows 3", two),
                   ("small-dp2-torch", f"timeout 90 {PY} {small} --warmup 3 --steps 5 --windows 2 --dp-impl torch",
