@@ -359,3 +359,22 @@ def test_val_sort_devkit(tmp_path, flat_val):
     r = run_script(PREPARE_VAL, flat_val, gt, "--devkit-meta", meta)
     assert r.returncode == 0, r.stderr
     check_sorted(flat_val)
+
+
+def test_benchmark_folder_is_the_same_for_any_number_of_jobs(tmp_path):
+    """make_benchmark_imagefolder.py --jobs writes class folders in parallel; each class has its
+    own seed, so the files do not depend on how many processes wrote them."""
+    pytest.importorskip("skimage")
+    script = REPO / "scripts" / "make_benchmark_imagefolder.py"
+    trees = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"j{jobs}"
+        r = run_script(script, out, "--classes", 3, "--train-per-class", 2, "--val-per-class", 1, "--jobs", jobs)
+        assert r.returncode == 0, r.stderr
+        assert "wrote 9 JPEGs" in r.stdout
+        trees[jobs] = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*.JPEG"))}
+    assert len(trees[1]) == 9 and trees[1] == trees[2]
+    with Image.open(next(iter((tmp_path / "j1" / "train" / "n00000000").iterdir()))) as img:
+        assert img.format == "JPEG" and sorted(img.size) == [375, 500]
+    r = run_script(script, tmp_path / "bad", "--jobs", 0)
+    assert r.returncode == 2 and "--jobs" in r.stderr
