@@ -300,25 +300,29 @@ def phase_jpeg(args) -> None:
             sys.exit("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
     g0 = {"CUDA_VISIBLE_DEVICES": "0"}
     w = args.workers
-    runs = [("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 "
-                               f"--windows {args.data_windows} --pipelines classic,fast,gpu", g0)]
+    runs = [] if args.skip_data else [
+        ("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 "
+                           f"--windows {args.data_windows} --pipelines classic,fast,gpu", g0)]
     # Three epochs of (100 x --jpeg-per-class) images each; the table reports the median epoch's
-    # rate. The compiled fp16 rows are the fastest step this trainer has (bench --groups compile).
+    # rate. Rows are DECODE:PRECISION[:COMPILE], e.g. gpu:fp16:reduce-overhead.
     train = (f"main.py {data} -a resnet50 -b 256 --channels-last -j {w} --epochs 3 -p 20 "
              f"--output-dir OUT")
     if not args.skip_e2e:
-        runs += [("e2e-cpu-decode", f"{PY} {train} --amp", g0), ("e2e-gpu-decode", f"{PY} {train} --amp --decode gpu", g0)]
-        if args.e2e_compile:
-            runs += [("e2e-cpu-decode-fp16-compile", f"timeout 240 {PY} {train} --fp16 --compile default", g0),
-                     ("e2e-gpu-decode-fp16-compile", f"timeout 240 {PY} {train} --fp16 --compile default --decode gpu",
-                      g0)]
+        for row in args.e2e_rows.split(","):
+            decode, precision, *compiled = row.split(":")
+            cmd = f"{PY} {train} --{precision} --decode {decode}"
+            if compiled:  # compiling takes a minute or two of the run
+                cmd = f"timeout 300 {cmd} --compile {compiled[0]}"
+            runs.append((f"e2e-{row.replace(':', '-')}", cmd, g0))
     results = []
     for name, cmd, env in runs:
         results += run_group([{"name": name, "cmd": cmd, "env": env}], args)
         print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
     print("\n| run | train img/s per epoch | median | decoded on GPU | CPU fallbacks |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for r in results[1:]:
+    for r in results:
+        if r["name"] == "data-pipelines":
+            continue
         rows = last_metrics(os.path.join(args.out, r["name"]))
         rates = ", ".join(f"{x['img_per_s']:.0f}" for x in rows)
         gpu = sum(x.get("decoded_on_gpu", 0) for x in rows)
@@ -438,8 +442,9 @@ def main() -> int:
                    help="bench: PRECISION[:MODE] rows to time compiled, e.g. fp16,fp16:max-autotune,amp-bf16")
     p.add_argument("--data-windows", type=int, default=5, help="jpeg: timed windows per input pipeline")
     p.add_argument("--skip-e2e", action="store_true", help="jpeg: the loader benchmark only")
-    p.add_argument("--e2e-compile", action="store_true",
-                   help="jpeg: also train end to end with --fp16 --compile default, CPU and GPU decode")
+    p.add_argument("--skip-data", action="store_true", help="jpeg: the end-to-end runs only")
+    p.add_argument("--e2e-rows", default="cpu:amp,gpu:amp",
+                   help="jpeg: end-to-end runs, DECODE:PRECISION[:COMPILE] each, e.g. gpu:fp16:reduce-overhead")
     p.add_argument("--jpeg-per-class", type=int, default=300,
                    help="jpeg: training JPEGs per class (100 classes) in the benchmark folder it makes")
     p.add_argument("--lr", default=".01",
