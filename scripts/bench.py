@@ -78,7 +78,9 @@ def train_flops_per_image(arch: str, image_size: int, num_classes: int) -> float
     return counter.get_total_flops() / 2
 
 
-def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
+def build_step(args, name: str, channels_last: bool, ctx):
+    """The trainer's model, precision and SGD for ``name``; returns ``step(images, targets)``
+    (forward, loss, backward, optimizer step) and what must be freed afterwards."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last,
                   image_size=args.image_size)
     cfg = precision_config(name, base)
@@ -103,17 +105,26 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     else:
         model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
     criterion = nn.CrossEntropyLoss()
+    model.train()
+
+    def step(images, targets):
+        loss = criterion(precision.forward(model, images), targets)
+        precision.backward(loss)
+        precision.step(optimizer)
+
+    return step, (model, optimizer, precision)
+
+
+def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
+    train_step, held = build_step(args, name, channels_last, ctx)
     per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
     images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, args.num_classes, (per_proc,), device=ctx.device)
-    model.train()
 
     def step():
-        loss = criterion(precision.forward(model, images), targets)
-        precision.backward(loss)
-        precision.step(optimizer)
+        train_step(images, targets)
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     if ctx.device.type == "cuda":
@@ -149,7 +160,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
                     getattr(e, "self_cuda_time_total", 0)} for e in prof.key_averages()]
             with open(args.profile_json, "w") as fh:
                 json.dump({"precision": name, "steps": args.profile, "ops": ops}, fh)
-    del model, optimizer, precision
+    del train_step, held
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
@@ -179,6 +190,24 @@ class RepeatedShuffle(torch.utils.data.Sampler):
         return self.total
 
 
+def profile_batches(it, train_step, n: int, device: torch.device, pipeline: str) -> None:
+    """``n`` more batches (and steps) under the profiler: the ops of every thread, the background
+    batch thread's included, by host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            images, targets, _ = next(it)
+            if train_step is not None:
+                train_step(images, targets)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    print(f"profile of {n} batches ({pipeline}):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    if device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
+
+
 def bench_data(args) -> int:
     """Iterate the training loader of DIR with each pipeline; img/s side by side."""
     from torch.utils.data import DataLoader
@@ -189,6 +218,14 @@ def bench_data(args) -> int:
     if "gpu" in args.pipelines.split(",") and device.type != "cuda":
         print("error: the gpu pipeline (--decode gpu) needs a CUDA GPU; drop it from --pipelines", file=sys.stderr)
         return 2
+    train_step, ctx = None, None
+    if args.train:  # every batch also trains the model: the loader measured under a busy GPU
+        ctx = distributed.setup(Config(batch_size=args.batch_size))
+        step_args = argparse.Namespace(arch=args.train_arch, batch_size=args.batch_size, image_size=args.image_size,
+                                       num_classes=1000, no_cudnn_benchmark=False, optimizer_impl="auto",
+                                       ddp_bucket_mb=0, ddp_bucket_view=False, dp_impl="persistent",
+                                       compile=args.train_compile)
+        train_step, _held = build_step(step_args, args.train, True, ctx)
     results = {}
     for pipeline in args.pipelines.split(","):
         # "gpu": the fast pipeline with --decode gpu (workers read bytes, nvJPEG decodes on the device)
@@ -208,7 +245,7 @@ def bench_data(args) -> int:
         # epoch restart either.
         queued = args.workers * PREFETCH
         warmup, per_window = max(args.warmup, 2 * queued), max(args.batches, queued)
-        need = warmup + args.windows * per_window
+        need = warmup + args.windows * per_window + args.profile
         loader = DeviceLoader(DataLoader(data.train, batch_size=args.batch_size,
                                          sampler=RepeatedShuffle(len(data.train), need * args.batch_size),
                                          num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
@@ -217,24 +254,32 @@ def bench_data(args) -> int:
                               device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu")
         rates, seen, t0, count = [], 0, None, 0
         it = iter(loader)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         while len(rates) < args.windows:
             images, targets, _ = next(it)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            if train_step is not None:
+                train_step(images, targets)  # runs ahead of the GPU as in main.py: synced per window
+            else:
+                sync()
             seen += 1
             if seen == warmup:
+                sync()
                 t0, count = time.perf_counter(), 0
             elif seen > warmup:
                 count += targets.numel()
                 if (seen - warmup) % per_window == 0:
+                    sync()
                     now = time.perf_counter()
                     rates.append(count / (now - t0))
                     t0, count = now, 0
+        if args.profile:
+            profile_batches(it, train_step, args.profile, device, pipeline)
         del it
         results[pipeline] = rates
+        what = f", each batch trains {args.train_arch} {args.train}" if train_step is not None else ""
         print(f"bench data: {pipeline:8s} median {statistics.median(rates):8.0f} img/s "
               f"(windows {min(rates):.0f}..{max(rates):.0f}; {args.workers} workers, {warmup} warm-up + "
-              f"{args.windows} x {per_window} batches of {args.batch_size})", flush=True)
+              f"{args.windows} x {per_window} batches of {args.batch_size}{what})", flush=True)
     if len(results) > 1 and "classic" in results:
         base = statistics.median(results["classic"])
         for name, rates in results.items():
@@ -285,6 +330,13 @@ def main(argv=None) -> int:
     d.add_argument("--batches", type=int, default=8,
                    help="batches per timed window; at least what the workers hold queued")
     d.add_argument("--windows", type=int, default=5)
+    d.add_argument("--train", choices=PRECISIONS,
+                   help="also train --train-arch on every batch in this precision (channels_last): "
+                        "end to end, the loader measured while the model keeps the device busy")
+    d.add_argument("--train-arch", default="resnet50")
+    d.add_argument("--train-compile", choices=("off", "default", "reduce-overhead", "max-autotune"), default="off")
+    d.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N more batches of each pipeline (every thread's ops), print top ops")
     args = p.parse_args(argv)
     if args.what == "data":
         return bench_data(args)

@@ -26,7 +26,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "weak", "small", "compile")
+BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "ddp-nccl", "weak", "small",
+                "compile")
 
 
 def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
@@ -225,6 +226,16 @@ def phase_bench(args) -> None:
                                    f"{common512} {best} "
                                    f"--ddp-bucket-view --ddp-bucket-mb 100", two)],
         # 256 images per GPU, side by side: one GPU, DDP x2 and DataParallel x2
+        # where DDP x2's last 4% goes: NCCL's kernels share the SMs with the backward pass, so
+        # fewer channels (thread blocks) may cost less than they save; and a profile of rank 0
+        "ddp-nccl": [("1gpu-b256", f"{PY} {common} {best}", g0),
+                     ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common512} {best}", two),
+                     ("ddp2-b512-nch4", f"{PY} -m multiproc --log-dir OUT {common512} {best}",
+                      dict(two, NCCL_MAX_NCHANNELS="4")),
+                     ("ddp2-b512-nch8", f"{PY} -m multiproc --log-dir OUT {common512} {best}",
+                      dict(two, NCCL_MAX_NCHANNELS="8")),
+                     ("profile-ddp2", f"{PY} -m multiproc --log-dir OUT "
+                                      f"{common512.replace('--windows 5', '--windows 1')} {best} --profile 5", two)],
         "weak": [("1gpu-b256", f"{PY} {common} {best}", g0),
                  ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common512} "
                                f"{best}", two),
@@ -302,7 +313,7 @@ def phase_jpeg(args) -> None:
     w = args.workers
     runs = [] if args.skip_data else [
         ("data-pipelines", f"{PY} scripts/bench.py data {data} --workers {w} --batch-size 256 "
-                           f"--windows {args.data_windows} --pipelines classic,fast,gpu", g0)]
+                           f"--windows {args.data_windows} --pipelines {args.data_pipelines} {args.data_args}".rstrip(), g0)]
     # Three epochs of (100 x --jpeg-per-class) images each; the table reports the median epoch's
     # rate. Rows are DECODE:PRECISION[:COMPILE], e.g. gpu:fp16:reduce-overhead.
     train = (f"main.py {data} -a resnet50 -b 256 --channels-last -j {w} --epochs 3 -p 20 "
@@ -443,6 +454,9 @@ def main() -> int:
     p.add_argument("--data-windows", type=int, default=5, help="jpeg: timed windows per input pipeline")
     p.add_argument("--skip-e2e", action="store_true", help="jpeg: the loader benchmark only")
     p.add_argument("--skip-data", action="store_true", help="jpeg: the end-to-end runs only")
+    p.add_argument("--data-pipelines", default="classic,fast,gpu", help="jpeg: the loader bench's pipelines")
+    p.add_argument("--data-args", default="",
+                   help="jpeg: more bench.py data options, e.g. '--train fp16 --profile 4' (a step per batch)")
     p.add_argument("--e2e-rows", default="cpu:amp,gpu:amp",
                    help="jpeg: end-to-end runs, DECODE:PRECISION[:COMPILE] each, e.g. gpu:fp16:reduce-overhead")
     p.add_argument("--jpeg-per-class", type=int, default=300,

@@ -115,3 +115,44 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     outs = [p.communicate(timeout=300) for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outs
     assert "DistributedDataParallel, rank 0 of 2" in outs[0][0] and "| fp32 | contiguous |" in outs[0][0]
+
+
+@pytest.fixture(scope="module")
+def jpeg_folder(tmp_path_factory):
+    pytest.importorskip("skimage")
+    root = tmp_path_factory.mktemp("jpegs") / "bench"
+    r = subprocess.run([sys.executable, "scripts/make_benchmark_imagefolder.py", str(root), "--classes", "3",
+                        "--train-per-class", "8", "--val-per-class", "1"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def bench_data(*args):
+    return subprocess.run([sys.executable, "scripts/bench.py", "data", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_data_compares_pipelines_and_can_train_on_every_batch(jpeg_folder):
+    """The loader alone (classic vs fast side by side, a ratio line, the last line '... N img/s'),
+    then the same loader feeding a training step on every batch, with a profile of the ops."""
+    small = ["--workers", "1", "--batch-size", "4", "--image-size", "32", "--warmup", "2", "--batches", "2",
+             "--windows", "2"]
+    r = bench_data(jpeg_folder, *small, "--pipelines", "classic,fast")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert any(line.startswith("bench data: classic") for line in lines) and "x classic" in r.stdout
+    assert lines[-1].startswith("fast pipeline, 1 workers:") and lines[-1].endswith(" img/s")
+    assert float(lines[-1].split()[-2]) > 0
+    r = bench_data(jpeg_folder, *small, "--pipelines", "fast", "--train", "fp32", "--train-arch", "resnet18",
+                   "--profile", "1")
+    assert r.returncode == 0, r.stderr
+    assert "each batch trains resnet18 fp32" in r.stdout
+    assert "profile of 1 batches (fast)" in r.stdout and "convolution" in r.stdout  # the training step's ops
+
+
+def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = bench_data(jpeg_folder, "--pipelines", "gpu")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
