@@ -17,6 +17,7 @@ by torch's FlopCounterMode on one step) per second over a measured dense bf16 ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -142,14 +143,16 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         sync()
         rates.append(args.batch_size * args.steps / (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if ctx.device.type == "cuda" else 0.0
-    if args.profile and ctx.is_main:
-        # Where a step's time goes (host ops, kernels, copies), for the slow cases (DataParallel).
+    if args.profile:
+        # Where a step's time goes (host ops, kernels, copies). Under DDP every rank runs the
+        # steps (each all-reduce needs all ranks); rank 0 profiles and prints.
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts) if ctx.is_main else contextlib.nullcontext() as prof:
             for _ in range(args.profile):
                 step()
             sync()
+    if args.profile and ctx.is_main:
         key = "self_cuda_time_total" if ctx.device.type == "cuda" else "self_cpu_time_total"
         print(f"profile of {args.profile} steps ({name}, {ctx.mode}), by {key}:")
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))

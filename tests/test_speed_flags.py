@@ -99,14 +99,15 @@ def test_bench_refuses_a_batch_that_does_not_divide(tmp_path):
 
 def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     """The scaling issue's CPU part: bench.py under two launchers (--nnodes 2, one process each,
-    gloo on 127.0.0.1) trains as one DDP world of 2 and reports from rank 0; DDP options pass."""
+    gloo on 127.0.0.1) trains as one DDP world of 2 and reports from rank 0; DDP options and
+    --profile pass."""
     import socket
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     bench_args = ["scripts/bench.py", "train", "--arch", "resnet18", "--image-size", "16", "--num-classes", "10",
                   "--batch-size", "4", "--warmup", "1", "--steps", "1", "--windows", "2", "--precision", "fp32",
-                  "--ddp-bucket-mb", "1", "--ddp-bucket-view"]
+                  "--ddp-bucket-mb", "1", "--ddp-bucket-view", "--profile", "1"]
     launchers = [subprocess.Popen([sys.executable, "-m", "multiproc", "--nproc-per-node", "1", "--nnodes", "2",
                                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                    "--log-dir", str(tmp_path / f"logs{node}"), *bench_args],
@@ -115,6 +116,8 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     outs = [p.communicate(timeout=300) for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outs
     assert "DistributedDataParallel, rank 0 of 2" in outs[0][0] and "| fp32 | contiguous |" in outs[0][0]
+    # every rank runs the profiled steps (their all-reduces need each other); rank 0 prints them
+    assert "profile of 1 steps" in outs[0][0] and "profile of" not in outs[1][0]
 
 
 @pytest.fixture(scope="module")
