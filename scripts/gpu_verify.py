@@ -118,10 +118,12 @@ def recipe(args, data: str) -> str:
 
 def phase_smoke(args) -> None:
     data = ensure_fashion(args)
-    print("$ pytest tests/test_gpu.py tests/test_precision.py", flush=True)
+    # test_gpu.py is GPU-only; the others hold GPU cases among CPU ones (the background and
+    # prefetching loaders on a device, nvJPEG's decode path)
+    tests = "tests/test_gpu.py tests/test_precision.py tests/test_pipeline.py tests/test_gpudecode.py"
+    print(f"$ pytest {tests}", flush=True)
     log = os.path.join(args.out, "pytest.log")
-    rc = sh(f"{PY} -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_precision.py",
-            log).returncode
+    rc = sh(f"{PY} -m pytest -q -p no:cacheprovider --tb=short {tests}", log).returncode
     print(tail(log, 60 if rc else 3), flush=True)
     quick = (f"main.py {data} --config configs/fashion-mnist.yaml -b 128 --epochs 1 --warmup-epochs 0 --prof 30 -j 4 "
              "--output-dir OUT")

@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA; run on the GPU machine by scripts/gpu_verify.sh).
+"""GPU-only checks (skipped without CUDA; run on the GPU machine by scripts/gpu_verify.py smoke).
 
 The heart is the bug this project was born from: an fp16 model replicated by DataParallel must
 compute exactly what it computes on one GPU, with BatchNorm kept in fp32 on every replica.
