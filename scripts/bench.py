@@ -221,9 +221,13 @@ def bench_data(args) -> int:
     if "gpu" in args.pipelines.split(",") and device.type != "cuda":
         print("error: the gpu pipeline (--decode gpu) needs a CUDA GPU; drop it from --pipelines", file=sys.stderr)
         return 2
-    train_step, ctx = None, None
+    train_step = None
     if args.train:  # every batch also trains the model: the loader measured under a busy GPU
-        ctx = distributed.setup(Config(batch_size=args.batch_size))
+        try:
+            ctx = distributed.setup(Config(batch_size=args.batch_size))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         step_args = argparse.Namespace(arch=args.train_arch, batch_size=args.batch_size, image_size=args.image_size,
                                        num_classes=1000, no_cudnn_benchmark=False, optimizer_impl="auto",
                                        ddp_bucket_mb=0, ddp_bucket_view=False, dp_impl="persistent",

@@ -227,7 +227,6 @@ def phase_bench(args) -> None:
                 ("ddp2-b512-view", f"{PY} -m multiproc --log-dir OUT "
                                    f"{common512} {best} "
                                    f"--ddp-bucket-view --ddp-bucket-mb 100", two)],
-        # 256 images per GPU, side by side: one GPU, DDP x2 and DataParallel x2
         # where DDP x2's last 4% goes: NCCL's kernels share the SMs with the backward pass, so
         # fewer channels (thread blocks) may cost less than they save; and a profile of rank 0
         "ddp-nccl": [("1gpu-b256", f"{PY} {common} {best}", g0),
@@ -238,6 +237,7 @@ def phase_bench(args) -> None:
                       dict(two, NCCL_MAX_NCHANNELS="8")),
                      ("profile-ddp2", f"{PY} -m multiproc --log-dir OUT "
                                       f"{common512.replace('--windows 5', '--windows 1')} {best} --profile 5", two)],
+        # 256 images per GPU, side by side: one GPU, DDP x2 and DataParallel x2
         "weak": [("1gpu-b256", f"{PY} {common} {best}", g0),
                  ("ddp2-b512", f"{PY} -m multiproc --log-dir OUT {common512} "
                                f"{best}", two),
