@@ -60,7 +60,7 @@ class ModelEma:
             if self._dst_buf:
                 # BatchNorm statistics of an overflowing forward may be NaN, which a zero weight
                 # would not cancel (NaN * 0): select the average's own values instead.
-                target = [torch.where(stepped, s.float(), d) for d, s in zip(self._dst_buf, self._src_buf)]
+                target = [torch.where(stepped, src.float(), avg) for avg, src in zip(self._dst_buf, self._src_buf)]
                 torch._foreach_lerp_(self._dst_buf, target, 1.0 - d)
         else:
             torch._foreach_lerp_(self._dst, self._src, 1.0 - d)

@@ -72,6 +72,11 @@ class _SkipLog:
             logger.info("gradient overflow: %s%s", what, " (further skips are counted in the epoch summary)"
                         if self.logged == _LOGGED_SKIPS else "")
 
+    def read_later(self, new: int, scale: float) -> None:
+        """Skips decided on the device and read at print time: ``new`` since the last read."""
+        if new:
+            self(f"{new} step(s) skipped since the last report, loss scale now {scale:g}")
+
 
 class LossScaler:
     """Static or dynamic loss scale for the fp16 master-weight trainer.
@@ -108,9 +113,7 @@ class LossScaler:
                                              self._dev["skipped"]]).tolist()
         before = self._skipped
         self._scale, self._clean, self._skipped = scale, int(clean), int(skipped)
-        if self._skipped > before:
-            self._log(f"{self._skipped - before} step(s) skipped since the last report, loss scale now "
-                      f"{self._scale:g}")
+        self._log.read_later(self._skipped - before, self._scale)
 
     def _push(self) -> None:
         if self._dev is not None:
@@ -316,8 +319,7 @@ class AutocastPrecision(Precision):
             self._skipped_dev.zero_()
             self._skipped += new
             if new:
-                self._log(f"{new} step(s) skipped since the last report, loss scale now "
-                          f"{self.scaler.get_scale():g}")
+                self._log.read_later(new, self.scaler.get_scale())
 
     @property
     def loss_scale(self) -> Optional[float]:

@@ -112,12 +112,7 @@ class DeviceLoader:
         upcoming = load()
         while upcoming is not None:
             main.wait_stream(stream)
-            current = self._yielded(upcoming)
-            images, targets, skipped = current
-            if targets.numel():
-                # the tensors were made on the side stream: keep their memory until main is done
-                images.record_stream(main)
-                targets.record_stream(main)
+            current = _used_on(main, self._yielded(upcoming))
             upcoming = load()  # the next copy overlaps this batch's compute
             yield current
 
@@ -168,10 +163,7 @@ class DeviceLoader:
                 current = self._yielded(prepared)
                 if cuda:
                     main.wait_event(event)
-                    images, targets, _ = current
-                    if targets.numel():
-                        images.record_stream(main)  # made on the side stream, used on main
-                        targets.record_stream(main)
+                    current = _used_on(main, current)
                 yield current
         finally:
             # The thread must be done with the loader's iterator before anyone makes a new one
@@ -181,3 +173,11 @@ class DeviceLoader:
             stop.set()
             thread.join(timeout=120)
 
+
+def _used_on(main: torch.cuda.Stream, batch: tuple) -> tuple:
+    """A batch made on a side stream, handed to ``main``: its memory is kept until main is done."""
+    images, targets, _ = batch
+    if targets.numel():
+        images.record_stream(main)
+        targets.record_stream(main)
+    return batch
