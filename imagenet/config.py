@@ -23,6 +23,7 @@ from .errors import UserError
 
 logger = logging.getLogger(__name__)
 
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # --compile (torch.compile modes)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
@@ -139,7 +140,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": ("off", "default", "reduce-overhead", "max-autotune"), "decode": ("cpu", "gpu")}
+            "compile": COMPILE_MODES, "decode": ("cpu", "gpu")}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",

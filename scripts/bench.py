@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -31,13 +32,15 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from imagenet import distributed  # noqa: E402
-from imagenet.config import Config, validate  # noqa: E402
+from imagenet.config import ARCHS, COMPILE_MODES, Config, validate  # noqa: E402
 from imagenet.errors import UserError  # noqa: E402
 from imagenet.models import compile_model, create_model  # noqa: E402
 from imagenet.optim import IMPLS, build_optimizer  # noqa: E402
 from imagenet.precision import MasterWeightPrecision, build_precision, configure_tf32  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
+LAYOUTS = {"contiguous": False, "channels_last": True}  # --layouts name: channels_last
+PIPELINES = ("classic", "fast", "gpu")
 
 
 def precision_config(name: str, base: Config) -> Config:
@@ -81,7 +84,7 @@ def train_flops_per_image(arch: str, image_size: int, num_classes: int) -> float
 
 def build_step(args, name: str, channels_last: bool, ctx):
     """The trainer's model, precision and SGD for ``name``; returns ``step(images, targets)``
-    (forward, loss, backward, optimizer step) and what must be freed afterwards."""
+    (forward, loss, backward, optimizer step); the model and optimizer live as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last,
                   image_size=args.image_size)
     cfg = precision_config(name, base)
@@ -102,6 +105,8 @@ def build_step(args, name: str, channels_last: bool, ctx):
     if args.ddp_bucket_view:
         ddp["gradient_as_bucket_view"] = True
     if ctx.mode == "dp" and args.dp_impl == "torch":  # torch's own, new threads every forward
+        if args.compile != "off":
+            raise UserError("--compile does not work with DataParallel (--dp-impl torch); drop one of them")
         model = nn.DataParallel(model.to(ctx.device), device_ids=ctx.device_ids)
     else:
         model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
@@ -113,20 +118,17 @@ def build_step(args, name: str, channels_last: bool, ctx):
         precision.backward(loss)
         precision.step(optimizer)
 
-    return step, (model, optimizer, precision)
+    return step
 
 
 def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
-    train_step, held = build_step(args, name, channels_last, ctx)
+    train_step = build_step(args, name, channels_last, ctx)
     per_proc = args.batch_size // ctx.world_size if ctx.distributed else args.batch_size
     images = torch.randn(per_proc, 3, args.image_size, args.image_size, device=ctx.device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, args.num_classes, (per_proc,), device=ctx.device)
-
-    def step():
-        train_step(images, targets)
-
+    step = functools.partial(train_step, images, targets)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -163,7 +165,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
                     getattr(e, "self_cuda_time_total", 0)} for e in prof.key_averages()]
             with open(args.profile_json, "w") as fh:
                 json.dump({"precision": name, "steps": args.profile, "ops": ops}, fh)
-    del train_step, held
+    del train_step, step  # frees the model and optimizer before the next row
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
@@ -211,8 +213,9 @@ def profile_batches(it, train_step, n: int, device: torch.device, pipeline: str)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
 
 
-def bench_data(args) -> int:
-    """Iterate the training loader of DIR with each pipeline; img/s side by side."""
+def bench_data(args, train_defaults: argparse.Namespace) -> int:
+    """Iterate the training loader of DIR with each pipeline; img/s side by side. With --train,
+    ``train_defaults`` (the ``train`` command's options) set up the model step."""
     from torch.utils.data import DataLoader
 
     from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, collate_skipping
@@ -223,16 +226,14 @@ def bench_data(args) -> int:
         return 2
     train_step = None
     if args.train:  # every batch also trains the model: the loader measured under a busy GPU
+        step_args = argparse.Namespace(**{**vars(train_defaults), "arch": args.train_arch,
+                                          "batch_size": args.batch_size, "image_size": args.image_size,
+                                          "compile": args.train_compile})
         try:
-            ctx = distributed.setup(Config(batch_size=args.batch_size))
+            train_step = build_step(step_args, args.train, True, distributed.setup(Config(batch_size=args.batch_size)))
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        step_args = argparse.Namespace(arch=args.train_arch, batch_size=args.batch_size, image_size=args.image_size,
-                                       num_classes=1000, no_cudnn_benchmark=False, optimizer_impl="auto",
-                                       ddp_bucket_mb=0, ddp_bucket_view=False, dp_impl="persistent",
-                                       compile=args.train_compile)
-        train_step, _held = build_step(step_args, args.train, True, ctx)
     results = {}
     for pipeline in args.pipelines.split(","):
         # "gpu": the fast pipeline with --decode gpu (workers read bytes, nvJPEG decodes on the device)
@@ -267,7 +268,7 @@ def bench_data(args) -> int:
             if train_step is not None:
                 train_step(images, targets)  # runs ahead of the GPU as in main.py: synced per window
             else:
-                sync()
+                sync()  # the loader alone: each batch finished before the next, as runs G and H measured
             seen += 1
             if seen == warmup:
                 sync()
@@ -300,10 +301,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("train", help="model-step throughput on synthetic on-device data")
-    t.add_argument("--arch", default="resnet50")
+    t.add_argument("--arch", choices=ARCHS, default="resnet50")
     t.add_argument("--precision", choices=PRECISIONS, default="amp")
     t.add_argument("--channels-last", action="store_true")
-    t.add_argument("--compile", choices=("off", "default", "reduce-overhead", "max-autotune"), default="off",
+    t.add_argument("--compile", choices=COMPILE_MODES, default="off",
                    help="torch.compile the model as main.py's --compile does (compiles during warm-up)")
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
@@ -340,13 +341,19 @@ def main(argv=None) -> int:
     d.add_argument("--train", choices=PRECISIONS,
                    help="also train --train-arch on every batch in this precision (channels_last): "
                         "end to end, the loader measured while the model keeps the device busy")
-    d.add_argument("--train-arch", default="resnet50")
-    d.add_argument("--train-compile", choices=("off", "default", "reduce-overhead", "max-autotune"), default="off")
+    d.add_argument("--train-arch", choices=ARCHS, default="resnet50")
+    d.add_argument("--train-compile", choices=COMPILE_MODES, default="off")
     d.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N more batches of each pipeline (every thread's ops), print top ops")
     args = p.parse_args(argv)
+    lists = ([("--precisions", args.precisions, PRECISIONS), ("--layouts", args.layouts, tuple(LAYOUTS))]
+             if args.what == "train" else [("--pipelines", args.pipelines, PIPELINES)])
+    for option, names, known in lists:
+        unknown = sorted(set(names.split(",")) - set(known))
+        if unknown:
+            p.error(f"{option}: unknown {', '.join(unknown)}; choose from {','.join(known)}")
     if args.what == "data":
-        return bench_data(args)
+        return bench_data(args, t.parse_args([]))
     try:
         ctx = distributed.setup(Config(batch_size=args.batch_size))
     except UserError as e:
@@ -356,7 +363,7 @@ def main(argv=None) -> int:
         print(f"error: --batch-size {args.batch_size} does not divide over {ctx.world_size} processes",
               file=sys.stderr)
         return 2
-    layouts = [{"contiguous": False, "channels_last": True}[x] for x in args.layouts.split(",")]
+    layouts = [LAYOUTS[x] for x in args.layouts.split(",")]
     combos = ([(n, cl) for n in args.precisions.split(",") for cl in layouts] if args.matrix
               else [(args.precision, args.channels_last)])
     flops = train_flops_per_image(args.arch, args.image_size, args.num_classes)

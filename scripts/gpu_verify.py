@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +53,26 @@ def tail(path: str, n: int = 6) -> str:
         return ""
 
 
+JPEG_DIR = "/tmp/bench_jpeg"
+
+
+def ensure_jpeg(args) -> str:
+    """The ImageNet-shaped JPEG folder (100 classes, --jpeg-per-class training images each)."""
+    if os.path.isdir(os.path.join(JPEG_DIR, "train")):
+        return JPEG_DIR
+    cmd = (f"{PY} scripts/make_benchmark_imagefolder.py {JPEG_DIR} --classes 100 --train-per-class "
+           f"{args.jpeg_per_class} --val-per-class 4 --jobs {os.cpu_count()}")
+    print("$", cmd, flush=True)
+    if sh(cmd, os.path.join(args.out, "make_jpeg.log")).returncode:
+        fail("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
+    return JPEG_DIR
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def ensure_fashion(args) -> str:
     if os.path.isdir(os.path.join(args.data, "train")):
         return args.data
@@ -60,19 +80,33 @@ def ensure_fashion(args) -> str:
     print("$", cmd, flush=True)
     t0 = time.time()
     if sh(cmd, os.path.join(args.out, "prepare.log")).returncode:
-        sys.exit("preparing Fashion-MNIST failed:\n" + tail(os.path.join(args.out, "prepare.log"), 20))
+        fail("preparing Fashion-MNIST failed:\n" + tail(os.path.join(args.out, "prepare.log"), 20))
     print(f"  prepared in {time.time() - t0:.0f} s", flush=True)
     return args.data
 
 
+def command_line(cmd: str, env: dict) -> str:
+    """The command as it ran: its environment settings, then the command."""
+    return " ".join([*(f"{k}={v}" for k, v in env.items()), cmd])
+
+
+def print_commands(results: list) -> None:
+    print("\ncommands:")
+    for r in results:
+        print(f"- {r['name']}: `{command_line(r['cmd'], r['env'])}`")
+
+
 def run_group(runs: list, args) -> list:
-    """Start runs concurrently (each a dict: name, cmd, env), wait, collect results."""
+    """Start runs concurrently (each a dict: name, cmd, env), wait, collect results. Each run's
+    folder starts empty: its results (metrics.jsonl, rows.json) are this run's, never an earlier
+    call's in the same --out."""
     procs = []
     for r in runs:
         out = os.path.join(args.out, r["name"])
-        os.makedirs(out, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
         cmd = r["cmd"].replace("OUT", out)
-        print(f"$ {' '.join(f'{k}={v}' for k, v in r.get('env', {}).items())} {cmd}".replace("$  ", "$ "), flush=True)
+        print(f"$ {command_line(cmd, r.get('env', {}))}", flush=True)
         procs.append((r, out, cmd, time.time(), sh(cmd, os.path.join(out, "log.txt"), r.get("env"), wait=False)))
     results = []
     for r, out, cmd, t0, proc in procs:
@@ -105,10 +139,7 @@ def table(results: list, ref: str | None) -> None:
         diff = f"{r['acc1'] - base:+.2f}" if base is not None else "-"
         print(f"| {r['name']} | {r['acc1']:.2f} | {r['best']:.2f} | {diff} | {r['val_samples']} | "
               f"{r['img_per_s']:.0f} | {r['skipped_steps']} | {r['loss_scale']} | {r['seconds']:.0f} |")
-    print("\ncommands:")
-    for r in results:
-        env = " ".join(f"{k}={v}" for k, v in r["env"].items())
-        print(f"- {r['name']}: `{(env + ' ') if env else ''}{r['cmd']}`")
+    print_commands(results)
 
 
 def recipe(args, data: str) -> str:
@@ -194,7 +225,7 @@ def phase_bench(args) -> None:
     groups = args.groups.split(",")
     unknown = set(groups) - set(BENCH_GROUPS)
     if unknown:
-        sys.exit(f"unknown bench group(s) {sorted(unknown)}; choose from {','.join(BENCH_GROUPS)}")
+        fail(f"unknown bench group(s) {sorted(unknown)}; choose from {','.join(BENCH_GROUPS)}")
     common = f"scripts/bench.py train --arch resnet50 --batch-size 256 --steps {args.bench_steps} --windows 5"
     common512 = common.replace("--batch-size 256", "--batch-size 512")  # 256 per GPU on two
     short = "scripts/bench.py train --arch resnet50 --batch-size 256 --warmup 3 --steps 5 --windows 2"
@@ -261,8 +292,10 @@ def phase_bench(args) -> None:
             log = os.path.join(args.out, name, "log.txt")
             print(tail(log, 40 if name.startswith("profile") else 6), flush=True)
             path = os.path.join(args.out, name, "rows.json")
+            if "--profile" in cmd and not res["rc"]:
+                continue  # printed above; no throughput row
             for row in (json.load(open(path)) if os.path.exists(path) else [{}]):
-                summary.append((name, row, res, cmd, env))
+                summary.append((name, row, res))
             if "NCCL_DEBUG" in env and os.path.exists(log):
                 # which transport NCCL chose between the GPUs (P2P over NVLink, or SHM through the host)
                 lines = {ln.split("NCCL INFO")[-1].strip() for ln in open(log) if " via " in ln}
@@ -271,7 +304,7 @@ def phase_bench(args) -> None:
         profile_diff(*(os.path.join(args.out, f"profile-{p}", "ops.json") for p in ("amp", "fp16")))
     print("\n| run | precision | layout | compile | optimizer | devices | global batch | img/s (median) | spread | peak GiB |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
-    for name, row, res, cmd, env in summary:
+    for name, row, res in summary:
         if not row:
             failed = "timed out" if res["rc"] in (124, 137) else f"exit {res['rc']}"
             print(f"| {name} | | | | | | | {failed} | | |")
@@ -279,9 +312,7 @@ def phase_bench(args) -> None:
         print(f"| {name} | {row['precision']} | {'channels_last' if row['channels_last'] else 'contiguous'} | "
               f"{row['compile']} | {row['optimizer']} | {row['devices']} {row['mode']} | {row['batch']} | {row['img_per_s']:.0f} | "
               f"{row['min']:.0f}..{row['max']:.0f} | {row['peak_gib']:.1f} |")
-    print("\ncommands:")
-    for name, cmd, env in dict.fromkeys((n, c, tuple(e.items())) for n, _, _, c, e in summary):
-        print(f"- {name}: `{' '.join(f'{k}={v}' for k, v in env)} {cmd}`")
+    print_commands(list({res["name"]: res for _, _, res in summary}.values()))
 
 
 def profile_diff(path_a: str, path_b: str, rows: int = 20) -> None:
@@ -304,13 +335,7 @@ def profile_diff(path_a: str, path_b: str, rows: int = 20) -> None:
 def phase_jpeg(args) -> None:
     """Input pipelines on ImageNet-shaped JPEGs: loader throughput (classic / fast CPU decode /
     GPU decode) and end-to-end ResNet-50 training epochs with CPU and with GPU decode."""
-    data = "/tmp/bench_jpeg"
-    if not os.path.isdir(os.path.join(data, "train")):
-        cmd = (f"{PY} scripts/make_benchmark_imagefolder.py {data} --classes 100 --train-per-class "
-               f"{args.jpeg_per_class} --val-per-class 4 --jobs {os.cpu_count()}")
-        print("$", cmd, flush=True)
-        if sh(cmd, os.path.join(args.out, "make_jpeg.log")).returncode:
-            sys.exit("making the JPEG folder failed:\n" + tail(os.path.join(args.out, "make_jpeg.log"), 20))
+    data = JPEG_DIR  # made below, once the rows are known to be valid
     g0 = {"CUDA_VISIBLE_DEVICES": "0"}
     w = args.workers
     runs = [] if args.skip_data else [
@@ -322,11 +347,16 @@ def phase_jpeg(args) -> None:
              f"--output-dir OUT")
     if not args.skip_e2e:
         for row in args.e2e_rows.split(","):
-            decode, precision, *compiled = row.split(":")
+            parts = row.split(":")
+            if len(parts) not in (2, 3) or parts[0] not in ("cpu", "gpu") or parts[1] not in ("amp", "fp16"):
+                fail(f"--e2e-rows: {row!r} is not DECODE:PRECISION[:COMPILE] with DECODE cpu|gpu and "
+                     f"PRECISION amp|fp16, e.g. gpu:fp16:reduce-overhead")
+            decode, precision, *compiled = parts
             cmd = f"{PY} {train} --{precision} --decode {decode}"
             if compiled:  # compiling takes a minute or two of the run
                 cmd = f"timeout 300 {cmd} --compile {compiled[0]}"
             runs.append((f"e2e-{row.replace(':', '-')}", cmd, g0))
+    ensure_jpeg(args)
     results = []
     for name, cmd, env in runs:
         results += run_group([{"name": name, "cmd": cmd, "env": env}], args)
@@ -341,9 +371,7 @@ def phase_jpeg(args) -> None:
         gpu = sum(x.get("decoded_on_gpu", 0) for x in rows)
         cpu = sum(x.get("decode_fallbacks", 0) for x in rows)
         print(f"| {r['name']} | {rates or 'FAILED'} | {r['img_per_s'] or 0:.0f} | {gpu} | {cpu} |")
-    print("\ncommands:")
-    for r in results:
-        print(f"- {r['name']}: `{' '.join(f'{k}={v}' for k, v in r['env'].items())} {r['cmd']}`")
+    print_commands(results)
 
 
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
@@ -357,7 +385,7 @@ def phase_recipe(args) -> None:
     names = args.variants.split(",")
     unknown = set(names) - set(RECIPE_VARIANTS)
     if unknown:
-        sys.exit(f"unknown recipe variant(s) {sorted(unknown)}; choose from {','.join(RECIPE_VARIANTS)}")
+        fail(f"unknown recipe variant(s) {sorted(unknown)}; choose from {','.join(RECIPE_VARIANTS)}")
     data = ensure_fashion(args)
     base = f"{PY} {recipe(args, data)} --fp16"
     variants = [(v, RECIPE_VARIANTS[v]) for v in names]
@@ -419,10 +447,7 @@ def phase_scaling(args) -> None:
         print(f"| {name} | {n} | {rate:.0f} | {rate / n:.0f} | {eff} |" if rate else f"| {name} | {n} | FAILED | | |")
     if n_gpus > 1:
         everything = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n_gpus)))}
-        jpeg = "/tmp/bench_jpeg"
-        if not os.path.isdir(os.path.join(jpeg, "train")):
-            sh(f"{PY} scripts/make_benchmark_imagefolder.py {jpeg} --classes 100 --train-per-class 60 "
-               f"--val-per-class 4 --jobs {os.cpu_count()}", os.path.join(args.out, "make_jpeg.log"))
+        jpeg = ensure_jpeg(args)
         run_group([{"name": f"jpeg-gpu-decode-ddp{n_gpus}", "env": everything,
                     "cmd": f"{PY} -m multiproc --log-dir OUT main.py {jpeg} -a resnet50 -b {256 * n_gpus} --amp "
                            f"--channels-last --decode gpu -j {max(2, args.workers // n_gpus)} --epochs 1 --prof 20 "
@@ -462,7 +487,7 @@ def main() -> int:
     p.add_argument("--e2e-rows", default="cpu:amp,gpu:amp",
                    help="jpeg: end-to-end runs, DECODE:PRECISION[:COMPILE] each, e.g. gpu:fp16:reduce-overhead")
     p.add_argument("--jpeg-per-class", type=int, default=300,
-                   help="jpeg: training JPEGs per class (100 classes) in the benchmark folder it makes")
+                   help="jpeg, scaling: training JPEGs per class (100 classes) in the benchmark folder they make")
     p.add_argument("--lr", default=".01",
                    help="precision/multigpu/recipe: the learning rate (.01: the report's command line; "
                         "configs/fashion-mnist.yaml's own is 0.05 with 12 epochs)")

@@ -159,3 +159,28 @@ def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder):
         pytest.skip("a GPU is present")
     r = bench_data(jpeg_folder, "--pipelines", "gpu")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--matrix", "--layouts", "channels-last"], "--layouts: unknown channels-last"),
+    (["train", "--matrix", "--precisions", "fp8"], "--precisions: unknown fp8"),
+    (["train", "--arch", "resnet5"], "invalid choice: 'resnet5'"),
+    (["data", "DIR", "--pipelines", "fats"], "--pipelines: unknown fats"),
+])
+def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path):
+    r = subprocess.run([sys.executable, "scripts/bench.py", *[str(tmp_path) if a == "DIR" else a for a in args]],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--groups", "nope"], "unknown bench group(s) ['nope']"),
+    (["recipe", "--variants", "zz"], "unknown recipe variant(s) ['zz']"),
+    (["jpeg", "--e2e-rows", "gpu"], "--e2e-rows: 'gpu' is not DECODE:PRECISION[:COMPILE]"),
+])
+def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
+    """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""
+    r = subprocess.run([sys.executable, "scripts/gpu_verify.py", *args, "--out", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "make_jpeg.log").exists()  # failed before making data
