@@ -1,6 +1,5 @@
 """--accum-steps: several forward/backward passes per optimizer step, -b stays the step's batch."""
 
-import copy
 import json
 
 import pytest
@@ -38,14 +37,14 @@ def run(precision, accum, micro):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, precision, CPU, 0,
                           LoopOptions(print_freq=100, accum_steps=accum, input_shape=(3, 8, 8)))
-    return model, precision, sched, out
+    return model, sched, out
 
 
 @pytest.mark.parametrize("make", [Precision, lambda: MasterWeightPrecision(LossScaler(256, dynamic=False),
                                                                          model_dtype=torch.float32)])
 def test_four_passes_of_4_equal_one_of_16(make):
-    big, p_big, s_big, o_big = run(make(), accum=1, micro=16)
-    small, p_small, s_small, o_small = run(make(), accum=4, micro=4)
+    big, s_big, o_big = run(make(), accum=1, micro=16)
+    small, s_small, o_small = run(make(), accum=4, micro=4)
     assert o_big["steps"] == o_small["steps"] == 2
     assert s_big.last_epoch == s_small.last_epoch == 2  # the schedule counts optimizer steps
     assert o_small["train_samples"] == 32 and o_small["train_loss"] == pytest.approx(o_big["train_loss"], rel=1e-5)
@@ -54,7 +53,7 @@ def test_four_passes_of_4_equal_one_of_16(make):
 
 
 def test_a_last_incomplete_group_is_dropped():
-    _, _, sched, out = run(Precision(), accum=3, micro=4)  # 8 micro-batches: 2 steps of 3, 2 left over
+    _, sched, out = run(Precision(), accum=3, micro=4)  # 8 micro-batches: 2 steps of 3, 2 left over
     assert out["steps"] == 2 and sched.last_epoch == 2 and out["steps_done"] == 6
 
 
@@ -67,6 +66,16 @@ def test_ddp_accumulates_without_all_reducing_until_the_last_pass(tmp_path):
             assert not model.require_backward_grad_sync
         with engine._grad_sync(model, sync=True):
             assert model.require_backward_grad_sync
+        # and the training loop asks for it: only the last of each group of passes all-reduces
+        synced = []
+        model.module.register_forward_pre_hook(lambda m, i: synced.append(model.require_backward_grad_sync))
+        images, targets = data()
+        loader = [(images[i:i + 4], targets[i:i + 4], []) for i in range(0, 32, 4)]
+        opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
+        ddp_ctx = DistContext("ddp", torch.device("cpu"), "test", backend="gloo")
+        train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                        Precision(), ddp_ctx, 0, LoopOptions(print_freq=100, accum_steps=2, input_shape=(3, 8, 8)))
+        assert synced == [False, True] * 4
     finally:
         dist.destroy_process_group()
 
@@ -74,11 +83,11 @@ def test_ddp_accumulates_without_all_reducing_until_the_last_pass(tmp_path):
 def test_trainer_resumes_an_accumulating_run_bit_exactly(digits, tmp_path):
     # -b 8 as two passes of 4: 10 optimizer steps per epoch of the 80 training digits.
     straight, resumed = tmp_path / "a", tmp_path / "b"
-    assert main(args(digits, straight, "--accum-steps", "2")) == 0
+    assert main(args(digits, straight, "-j", "0", "--accum-steps", "2")) == 0
     rows = [json.loads(line) for line in open(straight / "metrics.jsonl")]
     assert [r["steps"] for r in rows] == [10, 10] and rows[0]["train_samples"] == 80
-    assert main(args(digits, resumed, "--accum-steps", "2", "--epochs", "1")) == 0
-    assert main(args(digits, resumed, "--accum-steps", "2", "--resume", "auto")) == 0
+    assert main(args(digits, resumed, "-j", "0", "--accum-steps", "2", "--epochs", "1")) == 0
+    assert main(args(digits, resumed, "-j", "0", "--accum-steps", "2", "--resume", "auto")) == 0
     assert_same_run(weights(straight), weights(resumed))
 
 
@@ -96,13 +105,15 @@ def test_mid_epoch_checkpoints_fall_between_optimizer_steps(digits, tmp_path, mo
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
     monkeypatch.setattr("imagenet.runner.train_one_epoch", crash)
-    assert main(args(digits, tmp_path, "--accum-steps", "2", "--save-every-steps", "3")) == 130
+    # every 2 optimizer steps = every 4 loader batches: a save at 4 only (counting loader batches
+    # would save at 2, 4 and 6)
+    assert main(args(digits, tmp_path, "-j", "0", "--accum-steps", "2", "--save-every-steps", "2")) == 130
     assert steps_seen == [2, 4, 6]  # loader batches done, only at the end of a step
-    assert (weights(tmp_path)["epoch"], weights(tmp_path)["step_in_epoch"]) == (0, 6)
+    assert (weights(tmp_path)["epoch"], weights(tmp_path)["step_in_epoch"]) == (0, 4)
 
 
 def test_batch_that_does_not_split_is_refused(digits, tmp_path, capsys):
-    assert main(args(digits, tmp_path, "--accum-steps", "3")) == 2
+    assert main(args(digits, tmp_path, "-j", "0", "--accum-steps", "3")) == 2
     err = capsys.readouterr().err
     assert "--accum-steps 3 must divide" in err and "-b 6" in err
 

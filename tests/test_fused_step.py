@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from imagenet.ema import ModelEma
-from imagenet.optim import build_optimizer, load_optimizer_state, supports_found_inf
+from imagenet.optim import build_optimizer, load_optimizer_state, resolve_impl, supports_found_inf
 from imagenet.precision import AutocastPrecision, LossScaler, MasterWeightPrecision
 from tests.test_precision import batches, small_net
 
@@ -40,6 +40,8 @@ def run(prec, impl, data, inf_at=(), lr=0.1):
 
 
 def test_auto_is_fused_on_cuda_only():
+    assert resolve_impl("auto", torch.device("cuda")) == "fused"
+    assert resolve_impl("auto", CPU) == "foreach"
     groups = [{"params": [nn.Parameter(torch.zeros(2))]}]
     assert not supports_found_inf(build_optimizer(groups, 0.1, 0.9, 0.0, "auto", CPU))
     opt = fused_or_skip([{"params": [nn.Parameter(torch.zeros(2))]}])

@@ -228,17 +228,13 @@ def test_persistent_data_parallel_reuses_its_threads_and_trains():
 def test_nvjpeg_decode_matches_the_cpu_decode_path(tmp_path):
     """--decode gpu on the GPU: the same JpegJobs decoded by nvJPEG and by the CPU give the same
     crops within rounding (the issue's 'GPU decode path matches the CPU path')."""
-    import numpy as np
-    from PIL import Image
-
     from imagenet.decode import TrainDecoder, ValDecoder
     from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
+    from tests.test_gpudecode import photo
 
-    rng = np.random.default_rng(0)
     paths = []
     for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 444)]):
-        img = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC)
-        img.save(tmp_path / f"{i}.JPEG", "JPEG", quality=90)
+        photo(h, w, seed=i).save(tmp_path / f"{i}.JPEG", "JPEG", quality=90)
         paths.append(str(tmp_path / f"{i}.JPEG"))
     for reader in (TrainJpegReader(TrainDecoder(224, 0.08, 0.5)), ValJpegReader(ValDecoder(224, 256))):
         torch.manual_seed(0)

@@ -51,7 +51,7 @@ def files(tmp_path_factory):
 def decode_one(reader, path, seed=0):
     torch.manual_seed(seed)
     item = reader(path)
-    images, keep, bad, counts = decode_batch(JpegBatch([item]), CPU)
+    images, keep, _, counts = decode_batch(JpegBatch([item]), CPU)
     return item, images, keep, counts
 
 

@@ -58,7 +58,7 @@ def test_the_size_travels_with_each_key_to_the_dataset(digits):
         assert sorted(ds[key[:2] + (32,)][0].shape)[-2:] == [32, 32]
 
 
-def test_classic_and_fast_transforms_resize(digits):
+def test_classic_and_fast_transforms_resize():
     t = train_transform(32, 0.5, 0.5)
     set_output_size(t, 24)
     assert t.transforms[0].size == (24, 24)

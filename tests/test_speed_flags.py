@@ -12,6 +12,8 @@ import torchvision
 from imagenet.errors import UserError
 from imagenet.models import compile_model
 from imagenet.runner import main
+from tests.test_distributed import free_port
+from tests.test_fused_step import fused_or_skip
 from tests.test_precision_runs import argv, load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,10 +57,7 @@ def test_unknown_compile_mode_is_a_flag_error(digits, tmp_path, capsys):
 def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
     """--optimizer-impl fused (the GPU default) through the whole loop, fp16 with skips decided on
     the device, against the host-decided foreach run: same data, same weights to rounding."""
-    try:
-        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, fused=True)
-    except RuntimeError as e:
-        pytest.skip(f"fused SGD does not run on this CPU build: {e}")
+    fused_or_skip([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     runs = {}
     for impl in ("foreach", "fused"):
         out = tmp_path / impl
@@ -101,10 +100,7 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     """The scaling issue's CPU part: bench.py under two launchers (--nnodes 2, one process each,
     gloo on 127.0.0.1) trains as one DDP world of 2 and reports from rank 0; DDP options and
     --profile pass."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     bench_args = ["scripts/bench.py", "train", "--arch", "resnet18", "--image-size", "16", "--num-classes", "10",
                   "--batch-size", "4", "--warmup", "1", "--steps", "1", "--windows", "2", "--precision", "fp32",
                   "--ddp-bucket-mb", "1", "--ddp-bucket-view", "--profile", "1"]
