@@ -48,16 +48,16 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def configure_tf32(enabled: bool) -> None:
-    """Allow (or forbid) TF32 for float32 matmuls and convolutions on GPUs that have it."""
-    mode = "tf32" if enabled else "ieee"
-    cudnn_conv = getattr(torch.backends.cudnn, "conv", None)
-    if cudnn_conv is not None and hasattr(cudnn_conv, "fp32_precision"):
-        # torch >= 2.9: the legacy allow_tf32 flags must not be mixed with the new API.
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    """Allow (or forbid) TF32 for float32 matmuls and convolutions on GPUs that have it.
+
+    Through the legacy flags only. torch >= 2.9 also has per-backend ``fp32_precision``
+    settings, but once those are set the generic readers (``torch.get_float32_matmul_precision()``,
+    ``torch.backends.cuda.matmul.allow_tf32``) raise "mix of the legacy and new APIs", and
+    Inductor reads them: ``--compile max-autotune`` died of it. After the legacy setters every
+    reader, old and new, answers consistently.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 class _SkipLog:

@@ -289,3 +289,27 @@ def test_gradient_clipping_acts_on_unscaled_gradients_in_every_mode():
     assert torch.equal(exact, ref)
     amp = clipped(AutocastPrecision(torch.float16, "cpu", init_scale=1024.0))
     assert amp.norm().item() == pytest.approx(0.05, rel=1e-3)
+
+
+# -- TF32 flags ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tf32_flags():
+    """Put the process-wide TF32 flags back as they were (legacy setters reset both APIs)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_setting_leaves_every_precision_reader_answering(tf32_flags, enabled):
+    """Inductor (``--compile max-autotune``) reads the generic matmul precision; after the new
+    per-backend API was set, torch refused that read ("mix of the legacy and new APIs")."""
+    from imagenet.precision import configure_tf32
+    configure_tf32(enabled)
+    assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+    assert torch.backends.cuda.matmul.allow_tf32 is enabled
+    assert torch.backends.cudnn.allow_tf32 is enabled
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9 answers both ways
+        assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if enabled else "ieee")
