@@ -141,3 +141,15 @@ def test_augmentation_recipe_flags_train(digits, tmp_path, pipeline):
                      "0.25", "--label-smoothing", "0.1", "--data-pipeline", pipeline, "-j", "2")) == 0
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert row["train_samples"] == 80 and row["val_samples"] == 80
+
+
+@pytest.mark.parametrize("mode,warns", [(["--fp16"], "--fp16"), (["--amp"], "--amp float16"),
+                                        (["--amp", "--amp-dtype", "bfloat16"], None)])
+def test_half_precision_on_a_cpu_is_named_as_slow_with_the_bf16_alternative(digits, tmp_path, capsys, mode, warns):
+    assert main(argv(digits, tmp_path, "--epochs", "1", "--prof", "1", *mode)) == 0
+    out = capsys.readouterr().out
+    if warns:
+        assert f"{warns} on a CPU runs about 36x slower than fp32" in out, out
+        assert "--amp --amp-dtype bfloat16" in out
+    else:
+        assert "slower than fp32" not in out
