@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -462,9 +463,13 @@ def _checkpoint_state(cfg, epoch: int, step: int, best_acc1: float, model, optim
     }
 
 
-def spawn_per_gpu(cfg: Config) -> int:
-    """``--multiprocessing-distributed``: one process per visible GPU, started from here."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def spawn_per_gpu(cfg: Config, nprocs: Optional[int] = None) -> int:
+    """``--multiprocessing-distributed``: one process per visible GPU (or ``nprocs``), started
+    from here; returns the exit status, as every other launch mode does (2 for a user error,
+    128 + the signal number after a preemption)."""
+    n = nprocs
+    if n is None:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:
         raise UserError("--multiprocessing-distributed starts one process per GPU and none is visible; "
                         "for CPU processes use python -m multiproc --nproc-per-node N main.py ... "
@@ -483,15 +488,38 @@ def spawn_per_gpu(cfg: Config) -> int:
             os.environ["MASTER_PORT"] = str(distributed.free_port())
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch.multiprocessing as mp
+    context = mp.start_processes(_spawned_worker, args=(cfg, n, node, nodes), nprocs=n, join=False,
+                                 start_method="spawn")
+    # The workers leave the terminal's process group (see _spawned_worker): a Ctrl-C reaches this
+    # process alone and is passed on once, so it is not a second, immediate stop for them.
+    forwarded = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: _signal_workers(context, signum))
+                for sig in forwarded}
     try:
-        mp.spawn(_spawned_worker, args=(cfg, n, node, nodes), nprocs=n, join=True)
+        while not context.join(timeout=1):
+            pass
     except mp.ProcessExitedException as e:
-        return e.exit_code if e.exit_code and e.exit_code > 0 else 1
+        # A preempted or failed rank; torch has stopped the others (SIGTERM: they checkpoint).
+        code = e.exit_code or 1
+        return code if code > 0 else 128 - code  # a death by signal, as a shell reports it
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _signal_workers(context, signum: int) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            try:
+                os.kill(process.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def _spawned_worker(local_rank: int, cfg: Config, n: int, node: int, nodes: int) -> None:
     import dataclasses
+    os.setpgrp()  # out of the terminal's process group: the launching process forwards signals
     os.environ.update({"RANK": str(node * n + local_rank), "LOCAL_RANK": str(local_rank),
                        "WORLD_SIZE": str(nodes * n), "LOCAL_WORLD_SIZE": str(n)})
     child = dataclasses.replace(cfg, multiprocessing_distributed=False, world_size=-1, rank=-1, gpu=None)
@@ -500,3 +528,7 @@ def _spawned_worker(local_rank: int, cfg: Config, n: int, node: int, nodes: int)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+    except Preempted as e:  # every rank stops at the same step; one line says how to resume
+        if node * n + local_rank == 0:
+            print(f"=> {e}", flush=True)
+        sys.exit(e.exit_code)

@@ -1,0 +1,69 @@
+"""--multiprocessing-distributed: the spawned workers follow every launch mode's exit contract.
+
+There is no GPU here, so the test starts the spawn path with two CPU processes over gloo
+(``spawn_per_gpu(cfg, nprocs=2)``, what ``main`` does with one process per visible GPU).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import make_digits
+
+REPO = Path(__file__).resolve().parents[1]
+
+SPAWN = """
+import sys
+from imagenet.config import parse_config
+from imagenet.runner import spawn_per_gpu
+sys.exit(spawn_per_gpu(parse_config(sys.argv[1:]), nprocs=2))
+"""
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    make_digits(root, train_per_class=8, val_per_class=2)
+    return str(root)
+
+
+def spawn(data, out, *extra):
+    argv = [data, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize", "16", "-p", "1",
+            "--seed", "0", "--lr", "0.02", "--dist-backend", "gloo", "--multiprocessing-distributed",
+            "--output-dir", str(out), *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-c", SPAWN, *argv], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_spawned_workers_preempted_exit_with_the_signal_and_the_resume_line(digits, tmp_path):
+    proc = spawn(digits, tmp_path, "--epochs", "40")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.match(r"Epoch: \[0\]\[\s*2/", line):
+            proc.send_signal(signal.SIGTERM)  # to the launching process only, as `kill PID` does
+            break
+    else:
+        pytest.fail("the run ended before its third step:\n" + "".join(lines))
+    rest, _ = proc.communicate(timeout=240)
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "Traceback" not in out, out
+    assert out.count("run the same command with --resume auto to continue") == 1, out
+    ckpt = torch.load(tmp_path / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    assert ckpt["step_in_epoch"] > 0 or ckpt["epoch"] > 0
+
+
+def test_spawned_worker_user_error_exits_2_with_one_line(digits, tmp_path):
+    proc = spawn(digits, tmp_path, "--epochs", "1", "--resume", str(tmp_path / "missing.pth.tar"))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    assert "missing.pth.tar: no such file" in out, out
