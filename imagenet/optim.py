@@ -64,17 +64,19 @@ def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a saved optimizer state, keeping this run's implementation (fused or foreach).
+    """Load a saved optimizer's state (its momentum buffers), keeping this run's settings.
 
-    torch restores each group's settings from the file, ``fused``/``foreach`` included, so a
-    checkpoint from a GPU run would otherwise ask for the fused kernel on a CPU, and one from a
-    CPU run would silently give up the GPU's skip-without-sync.
+    torch restores each group's settings from the file too. They belong to the command line:
+    a run resumed with another ``--lr``, ``--momentum`` or ``--weight-decay`` trains with those
+    (the schedule scales this run's lr), and the implementation stays this run's, fused or
+    foreach (a checkpoint from a GPU run would otherwise ask for the fused kernel on a CPU, and
+    one from a CPU run would silently give up the GPU's skip-without-sync).
     """
-    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
-    for group, keep in zip(optimizer.param_groups, impl):
+    for group, keep in zip(optimizer.param_groups, settings):
         group.update(keep)
-    if impl and impl[0]["fused"]:
+    if settings and settings[0].get("fused"):
         _fused_momentum_buffers(optimizer)
 
 

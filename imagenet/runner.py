@@ -207,7 +207,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                             "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
         if resume_path:
             start_epoch, best_acc1, start_step, start_sums = _resume(resume_path, cfg, len(data.classes), model,
-                                                                     optimizer, scheduler, precision, ctx, ema)
+                                                                     optimizer, precision, ctx, ema)
         if cfg.start_epoch is not None:
             start_epoch, start_step, start_sums = cfg.start_epoch, 0, None
     except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
@@ -255,7 +255,12 @@ def _align_schedule(scheduler, iteration: int) -> None:
     scheduler._last_lr = lrs
 
 
-def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision, ctx, ema) -> tuple:
+# Optimisation settings a resumed run takes from its command line, not from the checkpoint.
+RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "lr_step", "lr_gamma", "warmup_epochs",
+                    "batch_size", "accum_steps")
+
+
+def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, precision, ctx, ema) -> tuple:
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     arch = ckpt.get("arch", cfg.arch)
@@ -275,9 +280,9 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
     if cfg.evaluate:  # evaluation needs the weights only
         return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0, None
     try:
+        # The schedule is this run's (its lr, --epochs, --lr-schedule), placed at the checkpoint's
+        # iteration by _align_schedule; the saved scheduler's base lrs would bring the old --lr back.
         optim.load_optimizer_state(optimizer, ckpt["optimizer"])
-        if "scheduler" in ckpt:
-            scheduler.load_state_dict(ckpt["scheduler"])
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
                         "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
@@ -298,6 +303,10 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, schedule
             torch.manual_seed(torch.initial_seed() + ctx.rank)
     epoch, best, step = int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), int(ckpt.get("step_in_epoch", 0))
     saved = ckpt.get("config") or {}
+    for key in RESUME_OVERRIDES:
+        if key in saved and saved[key] != getattr(cfg, key):
+            logger.info("=> resume: --%s %s replaces the checkpoint's %s", key.replace("_", "-"), getattr(cfg, key),
+                        saved[key])
     saved_batch, saved_accum = saved.get("batch_size", cfg.batch_size), saved.get("accum_steps", 1)
     if step and (saved_batch, saved_accum) != (cfg.batch_size, cfg.accum_steps):
         logger.warning("=> %s stopped mid-epoch at batch size %s with %s accumulation step(s); with -b %d and "
