@@ -7,6 +7,10 @@ waits for the host.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 
@@ -77,3 +81,54 @@ class AverageMeter:
     @property
     def avg(self) -> float:
         return self.sum / self.count if self.count else 0.0
+
+
+@dataclass
+class EpochRecord:
+    """One line of ``metrics.jsonl``: one epoch. The README's metrics table lists every key.
+
+    Rates are images per second, times seconds, accuracies percent; ``train_*`` cover the
+    whole epoch, also one resumed in its middle.
+    """
+
+    epoch: int
+    lr: float  # at the epoch's first step
+    lr_end: float  # after its last step
+    train_loss: float
+    train_acc1: float
+    train_acc5: float
+    train_samples: int
+    steps: int  # optimizer steps run in this process's share of the epoch (after a resume: since it)
+    skipped_steps: int  # of those, skipped for gradient overflow
+    img_per_s: float  # training images over training-loop time (no validation, checkpoint or start-up)
+    train_seconds: float
+    val_loss: float
+    val_acc1: float
+    val_acc5: float
+    val_samples: int
+    epoch_seconds: float  # training, validation and checkpoint
+    skipped_images: int  # unreadable images skipped, train and val
+    loss_scale: Optional[float]  # after the epoch; null without loss scaling
+    skipped_steps_total: int  # overflow skips since the run began
+    best_acc1: float
+    precision: str  # fp32 | fp16 | amp-fp16 | amp-bf16
+    mode: str  # cpu | gpu | dp | ddp
+    image_size: int  # the epoch's training crop (--progressive-resize changes it)
+    world_size: int
+    # --model-ema: the weight average, validated on the same images
+    val_loss_ema: Optional[float] = None
+    val_acc1_ema: Optional[float] = None
+    val_acc5_ema: Optional[float] = None
+    # --decode gpu: images decoded on the GPUs, and by CPUs instead (not plain JPEGs), train and val
+    decoded_on_gpu: Optional[int] = None
+    decode_fallbacks: Optional[int] = None
+
+    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks")
+
+    def to_dict(self) -> dict:
+        """The JSON row: every key, less the optional ones this run does not produce."""
+        row = dataclasses.asdict(self)
+        return {k: v for k, v in row.items() if v is not None or k not in self.OPTIONAL}
+
+
+EPOCH_KEYS = tuple(f.name for f in dataclasses.fields(EpochRecord))

@@ -28,6 +28,7 @@ from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
 from .ema import ModelEma
+from .metrics import EpochRecord
 from .mixing import BatchMixer
 from .precision import Precision, build_precision, configure_tf32, describe, unwrap
 from .preemption import Preempted, StopRequest
@@ -358,7 +359,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "config"}, fh, sort_keys=False)
     run_start = time.perf_counter()
     last: dict = {}
-    total_images = 0.0
+    total_images, epochs_run = 0.0, 0
     for epoch in range(start_epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         epoch_lr = optimizer.param_groups[0]["lr"]
@@ -384,24 +385,28 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
                             f"checkpoint written to {where}: run the same command with --resume auto to continue")
         val = validate(model, val_loader, criterion, precision, ctx, opts)
         decoded = _decode_counts(cfg, ctx, train_loader, val_loader)  # before the weight average's pass
+        averaged = {}
         if ema is not None:  # the average is an fp32 model: evaluate it in fp32
             val_ema = validate(ema.model, val_loader, criterion, Precision(), ctx, opts, name="weight average")
             val_loader.decode_counts()  # the same images again: counted once, above
-            val["skipped_paths"] += val_ema.pop("skipped_paths")
-            val.update({f"{k}_ema": v for k, v in val_ema.items() if k != "val_samples"})
-        train.pop("partial_sums")
-        skipped = _report_skipped(cfg, ctx, train.pop("skipped_paths") + val.pop("skipped_paths"), epoch,
+            val["skipped_paths"] += val_ema["skipped_paths"]
+            averaged = {f"{k}_ema": val_ema[k] for k in ("val_loss", "val_acc1", "val_acc5")}
+        skipped = _report_skipped(cfg, ctx, train["skipped_paths"] + val["skipped_paths"], epoch,
                                   len(data.train) + len(data.val))
         best_path = os.path.join(cfg.output_dir, ckpt_io.BEST)
         is_best = val["val_acc1"] > best_acc1 or (ctx.is_main and not os.path.exists(best_path))
         best_acc1 = max(best_acc1, val["val_acc1"])
-        record = {"epoch": epoch, "lr": epoch_lr, "lr_end": optimizer.param_groups[0]["lr"], **train, **val,
-                  "epoch_seconds": time.perf_counter() - epoch_start, "skipped_images": skipped,
-                  "loss_scale": precision.loss_scale, "skipped_steps_total": precision.skipped_steps,
-                  "best_acc1": best_acc1, "precision": precision.name, "mode": ctx.mode, "image_size": size,
-                  "world_size": ctx.world_size}
-        record.update(decoded)
+        record = EpochRecord(
+            epoch=epoch, lr=epoch_lr, lr_end=optimizer.param_groups[0]["lr"],
+            **{k: train[k] for k in ("train_loss", "train_acc1", "train_acc5", "train_samples", "steps",
+                                     "skipped_steps", "img_per_s", "train_seconds")},
+            **{k: val[k] for k in ("val_loss", "val_acc1", "val_acc5", "val_samples")},
+            epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
+            loss_scale=precision.loss_scale, skipped_steps_total=precision.skipped_steps, best_acc1=best_acc1,
+            precision=precision.name, mode=ctx.mode, image_size=size, world_size=ctx.world_size,
+            **averaged, **decoded).to_dict()
         total_images += train["train_samples"]
+        epochs_run += 1
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)
         if ctx.is_main:
@@ -416,7 +421,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         if cfg.prof > 0:
             break
     total = time.perf_counter() - run_start
-    summary = {"best_acc1": best_acc1, "last_acc1": last.get("val_acc1"), "epochs_run": cfg.epochs - start_epoch,
+    summary = {"best_acc1": best_acc1, "last_acc1": last.get("val_acc1"), "epochs_run": epochs_run,
                "seconds": total, "img_per_s": total_images / total if total > 0 else 0.0, "last": last}
     if ctx.is_main and last:
         logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s, %.0f img/s; outputs in %s",

@@ -1,0 +1,64 @@
+"""metrics.jsonl: one record type, every key documented in the README, nothing else leaks in."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from imagenet.metrics import EPOCH_KEYS, EpochRecord
+from imagenet.runner import main
+from tests.helpers import make_digits
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_keys() -> set:
+    """The keys of the README's metrics.jsonl table (rows whose first cell lists `key`s)."""
+    text = README.read_text()
+    table = text[text.index("Every line of `metrics.jsonl` has these keys"):]
+    table = table[:table.index("\n\n", table.index("| key |"))]
+    keys = set()
+    for row in table.splitlines()[3:]:
+        keys.update(re.findall(r"`([a-z0-9_]+)`", row.split("|")[1]))
+    return keys
+
+
+def test_the_readme_table_lists_exactly_the_record_fields():
+    assert readme_keys() == set(EPOCH_KEYS)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    make_digits(root, train_per_class=4, val_per_class=1)
+    return str(root)
+
+
+def run(data, out, *extra):
+    return main([data, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize", "16",
+                 "-p", "100", "--seed", "0", "--output-dir", str(out), *extra])
+
+
+def test_every_row_key_is_documented_and_no_loop_control_leaks(digits, tmp_path):
+    assert run(digits, tmp_path, "--epochs", "2", "--model-ema", "0.9") == 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) <= readme_keys(), set(row) - readme_keys()
+        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks"}  # no --decode gpu here
+
+
+def test_optional_keys_are_left_out_when_the_run_has_none():
+    base = {k: 0 for k in EPOCH_KEYS if k not in EpochRecord.OPTIONAL}
+    row = EpochRecord(**dict(base, loss_scale=None)).to_dict()
+    assert set(row) == set(base) and row["loss_scale"] is None
+
+
+def test_summary_counts_the_epochs_that_ran_under_prof(digits, tmp_path):
+    from imagenet.config import parse_config
+    from imagenet.runner import run as run_cfg
+    summary = run_cfg(parse_config([digits, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16",
+                                    "--val-resize", "16", "--epochs", "5", "--prof", "2",
+                                    "--output-dir", str(tmp_path)]))
+    assert summary["epochs_run"] == 1
