@@ -23,6 +23,7 @@ from .errors import UserError
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # --compile (torch.compile modes)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
@@ -39,7 +40,8 @@ class Config:
     data: Optional[str] = None  # ImageFolder root with train/ and val/; None: built-in MNIST-5k
     workers: int = 4  # data-loading processes per training process
     image_size: int = 224  # training crop (and validation crop unless --val-crop), pixels
-    val_resize: int = 256  # validation images are resized to this (shorter side), then center-cropped
+    val_resize: Optional[int] = None  # validation images are resized to this (shorter side), then center-cropped;
+    #                                    default 256, or with --pretrained the weights' own (232 for V2 weights)
     val_crop: Optional[int] = None  # validation crop if not --image-size: train low-res, test at 224
     progressive_resize: Optional[int] = None  # train at this many px first, growing to --image-size
     progressive_ramp: Optional[str] = None  # "FIRST:LAST" epochs of that growth (default 0:3/4 of --epochs)
@@ -61,7 +63,8 @@ class Config:
     # -- model ------------------------------------------------------------------------------
     arch: str = "resnet18"
     small_stem: bool = False  # 3x3 stride-1 first conv and no max-pool, for low-resolution images
-    pretrained: bool = False  # torchvision ImageNet weights, from the local torch hub cache only
+    pretrained: Optional[str] = None  # torchvision ImageNet weights by name (DEFAULT, IMAGENET1K_V1, ...), from
+    #                                   the local torch hub cache only; --pretrained alone: DEFAULT
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from
     channels_last: bool = False
     compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
@@ -147,6 +150,8 @@ _HELP = {
     "resume": "checkpoint to resume from, or 'auto' for OUTPUT_DIR/checkpoint.pth.tar",
     "tf32": "use TF32 on GPUs that support it (default on; --no-tf32 turns it off)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10)",
+    "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
+                  "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }
 
 
@@ -187,6 +192,16 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
+class _PretrainedAction(argparse.Action):
+    """``--pretrained [NAME]``. The classic script's ``--pretrained`` takes no value, so in
+    ``main.py -e --pretrained /data/imagenet`` the folder is the dataset, not a weights name."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value != self.const and (os.sep in value or os.path.isdir(value)) and getattr(namespace, "data", None) is None:
+            namespace.data, value = value, self.const
+        setattr(namespace, self.dest, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line. Defaults are suppressed so only flags the user gave override YAML."""
     p = argparse.ArgumentParser(
@@ -212,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if f.name == "prof":
             p.add_argument(flag, dest="prof", nargs="?", const=10, type=int, help=_HELP["prof"])
+            continue
+        if f.name == "pretrained":
+            p.add_argument(flag, dest="pretrained", nargs="?", const="DEFAULT", metavar="NAME",
+                           action=_PretrainedAction, help=_HELP["pretrained"])
             continue
         if kind == "bool":
             p.add_argument(*names, action="store_true", **kwargs)
@@ -260,6 +279,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     """Check a YAML value against the field's type (YAML already typed it)."""
     kind = _field_types()[name]
     key = name.replace("_", "-")
+    if name == "pretrained" and isinstance(value, bool):  # `pretrained: true` as in the classic flag
+        return "DEFAULT" if value else None
     if value is None:
         if name in _optional_fields():
             return None
@@ -359,7 +380,8 @@ def validate(cfg: Config) -> None:
     need(cfg.image_size >= 8, f"--image-size must be at least 8 pixels, got {cfg.image_size}")
     crop = cfg.val_crop if cfg.val_crop is not None else cfg.image_size
     need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
-    need(cfg.val_resize >= crop, f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
+    need(cfg.val_resize is None or cfg.val_resize >= crop,
+         f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
                                  f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
     if cfg.decode == "gpu":
         need(cfg.data_pipeline == "fast", "--decode gpu is part of the fast pipeline; drop --data-pipeline classic")

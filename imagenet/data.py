@@ -22,6 +22,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
+from .config import DEFAULT_VAL_RESIZE
 from .errors import UserError
 from .prefetch import DeviceLoader
 
@@ -277,16 +278,41 @@ class DataBundle:
     root: str  # where the images are ("synthetic" for --dummy)
 
 
-def _val_crop(cfg) -> int:
-    return getattr(cfg, "val_crop", None) or cfg.image_size
+@dataclass(frozen=True)
+class ValGeometry:
+    """Validation images: shorter side resized to ``resize`` (bilinear, antialiased), centre crop."""
+
+    resize: int
+    crop: int
+    source: str = ""  # set when pretrained weights chose the resize: for the banner
 
 
-def build_datasets(cfg, root: Optional[str]) -> DataBundle:
-    """Datasets for ``root`` (already resolved: the user's DIR or the built-in export)."""
+def val_geometry(cfg, weights=None) -> ValGeometry:
+    """The crop is ``--val-crop``, else ``--image-size``; the resize ``--val-resize``, else that of
+    the ``--pretrained`` ``weights``' evaluation transform (anything with ``name``, ``resize`` and
+    ``crop``: 232 for 224 px crops with torchvision's V2 weights, so their published accuracy is
+    reproducible; at another crop the same ratio), else the classic 256."""
+    resize, crop = getattr(cfg, "val_resize", None), getattr(cfg, "val_crop", None) or cfg.image_size
+    source = ""
+    if resize is None and weights is not None:
+        resize = round(weights.resize * crop / weights.crop)
+        source = (f"{weights.name}'s own evaluation resize" if crop == weights.crop else
+                  f"{weights.name}'s evaluation ratio {weights.resize}/{weights.crop} at this crop")
+    resize = resize or DEFAULT_VAL_RESIZE
+    if resize < crop:
+        raise UserError(f"validation would resize to {resize} px and crop {crop} px; the resize must be at least "
+                        "the crop: give --val-resize")
+    return ValGeometry(resize, crop, source)
+
+
+def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None) -> DataBundle:
+    """Datasets for ``root`` (already resolved: the user's DIR or the built-in export);
+    validation as ``val`` says (default: :func:`val_geometry` of the flags)."""
+    val_geo = val or val_geometry(cfg)
     if cfg.dummy:
         n = cfg.dummy_classes
         return DataBundle(SyntheticDataset(cfg.dummy_train_size, n, cfg.image_size, seed=1),
-                          SyntheticDataset(cfg.dummy_val_size, n, _val_crop(cfg), seed=2),
+                          SyntheticDataset(cfg.dummy_val_size, n, val_geo.crop, seed=2),
                           [str(i) for i in range(n)], "synthetic")
     classes = check_layout(root)
     if cfg.data_pipeline == "fast":
@@ -296,12 +322,12 @@ def build_datasets(cfg, root: Optional[str]) -> DataBundle:
                  if cfg.random_erase > 0 else None)
         train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft,
                                 augment=augment_policy(cfg.auto_augment), erase=erase)
-        val_tf, loader = ValDecoder(_val_crop(cfg), cfg.val_resize, draft=draft), path_identity
+        val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize, draft=draft), path_identity
         if getattr(cfg, "decode", "cpu") == "gpu":  # workers read bytes and draw crops; the GPU decodes
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
     else:
         train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip, cfg.auto_augment, cfg.random_erase)
-        val_tf, loader = val_transform(_val_crop(cfg), cfg.val_resize), default_loader
+        val_tf, loader = val_transform(val_geo.crop, val_geo.resize), default_loader
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
     return DataBundle(train, val, classes, root)

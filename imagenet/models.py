@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torchvision
@@ -90,14 +92,47 @@ def fit_state_dict(model: nn.Module, state_dict: dict, source: str) -> dict:
     return state_dict
 
 
-def pretrained_state_dict(arch: str) -> dict:
-    """torchvision's ImageNet weights for ``arch`` from the local torch hub cache (never downloads)."""
-    weights = torchvision.models.get_model_weights(arch).DEFAULT
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """One of torchvision's ImageNet weight sets for an architecture, and how it was evaluated."""
+
+    arch: str
+    name: str  # e.g. IMAGENET1K_V2 (DEFAULT resolved)
+    url: str
+    resize: int  # evaluation transform: shorter side resized to this, bilinear, antialiased ...
+    crop: int  # ... then centre-cropped to this
+    acc1: float  # torchvision's published ImageNet-1K Acc@1 at that geometry
+
+
+def pretrained_weights(arch: str, name: str = "DEFAULT") -> PretrainedWeights:
+    """torchvision's weights ``name`` for ``arch`` (``DEFAULT``, ``IMAGENET1K_V1``, or the qualified
+    ``ResNet50_Weights.IMAGENET1K_V2``); an unknown name lists the valid ones."""
+    enum = torchvision.models.get_model_weights(arch)
+    qualifier, _, member = name.rpartition(".")
+    wanted = member.upper() if qualifier in ("", enum.__name__) else None
+    members = {m.name: m for m in enum}
+    if wanted == "DEFAULT":
+        weights = enum.DEFAULT
+    elif wanted in members:
+        weights = members[wanted]
+    else:
+        default = enum.DEFAULT.name
+        # argparse took a lower-case word after --pretrained for a name: a dataset folder that is not there?
+        hint = f" (if {name} is the dataset folder, it does not exist)" if name == name.lower() else ""
+        raise UserError(f"--pretrained {name}: {arch} has no such torchvision weights{hint}; choose one of "
+                        f"{', '.join(sorted(members))}, or DEFAULT ({default})")
+    evaluation = weights.transforms()
+    return PretrainedWeights(arch, weights.name, weights.url, int(evaluation.resize_size[0]),
+                             int(evaluation.crop_size[0]), float(weights.meta["_metrics"]["ImageNet-1K"]["acc@1"]))
+
+
+def pretrained_state_dict(weights: PretrainedWeights) -> dict:
+    """The state dict of ``weights`` from the local torch hub cache (never downloads)."""
     filename = os.path.basename(weights.url)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
     if not os.path.isfile(path):
-        raise UserError(f"--pretrained needs torchvision's {arch} weights, which are not cached at "
-                        f"{path}; this trainer never downloads: copy {filename} there "
+        raise UserError(f"--pretrained needs torchvision's {weights.arch} {weights.name} weights, which are not "
+                        f"cached at {path}; this trainer never downloads: copy {filename} there "
                         "(or set TORCH_HOME), or use --weights PATH")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -23,10 +23,12 @@ import torch.nn as nn
 from . import checkpoint as ckpt_io
 from . import distributed, optim
 from .config import Config, parse_config
-from .data import DataBundle, build_datasets, build_loaders, image_size_at, micro_batch, per_process_batch
+from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image_size_at, micro_batch,
+                   per_process_batch, val_geometry)
 from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
-from .models import compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict, strip_prefix
+from .models import (compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict,
+                     pretrained_weights, strip_prefix)
 from .ema import ModelEma
 from .metrics import EpochRecord
 from .mixing import BatchMixer
@@ -101,7 +103,8 @@ def _resolve_data_root(cfg: Config) -> Optional[str]:
     return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
 
 
-def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, source: str) -> None:
+def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, source: str, val: ValGeometry,
+            weights) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     per_dev = per_process_batch(cfg.batch_size, ctx)
     if ctx.mode == "dp":
@@ -111,11 +114,13 @@ def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, sou
     logger.info("=> mode: %s", ctx.describe())
     if ctx.mode == "dp":
         logger.info("=> hint: python -m multiproc main.py ... runs one process per GPU (DDP) and is faster")
-    logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d",
-                source, len(data.train), len(data.val), len(data.classes), cfg.image_size,
-                cfg.val_crop or cfg.image_size, cfg.val_resize)
-    logger.info("=> model: %s%s, %.1fM parameters, %s", cfg.arch, " (small stem)" if cfg.small_stem else "",
-                n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous")
+    logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d%s",
+                source, len(data.train), len(data.val), len(data.classes), cfg.image_size, val.crop, val.resize,
+                f" ({val.source}; --val-resize overrides)" if val.source else "")
+    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
+                n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
+                f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
+                if weights is not None else "")
     logger.info("=> precision: %s", describe(precision, cfg.tf32, ctx.device))
     if ctx.device.type == "cpu" and cfg.precision_name in ("fp16", "amp-fp16"):
         # Measured on a 2-core x86 CPU, ResNet-18 at 64 px: fp32 0.12 s a step, --fp16 4.5 s,
@@ -156,8 +161,10 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         if cfg.tensorboard:
             require_tensorboard()  # every rank, before any collective (rank 0 writes the events)
 
+        weights = pretrained_weights(cfg.arch, cfg.pretrained) if cfg.pretrained else None
+        val_geo = val_geometry(cfg, weights)
         root = _resolve_data_root(cfg)
-        data = build_datasets(cfg, root)
+        data = build_datasets(cfg, root, val_geo)
         if cfg.dummy:
             source = "synthetic data (--dummy)"
         else:
@@ -167,7 +174,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
 
         model = create_model(cfg.arch, len(data.classes), cfg.small_stem)
-        start = _starting_weights(cfg)
+        start = _starting_weights(cfg, weights)
         if start is not None:
             load_weights_into(model, *start)
         if cfg.sync_bn:
@@ -191,7 +198,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters, cfg.warmup_epochs, cfg.lr_step, cfg.lr_gamma))
         if ctx.is_main:
-            _banner(cfg, ctx, data, model, precision, source)
+            _banner(cfg, ctx, data, model, precision, source, val_geo, weights)
         ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
         criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
         mixer = None
@@ -235,9 +242,9 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                   opts, start_epoch, best_acc1, start_step, ema, mixer, start_sums)
 
 
-def _starting_weights(cfg: Config) -> Optional[tuple]:
-    if cfg.pretrained:
-        return pretrained_state_dict(cfg.arch), f"torchvision {cfg.arch} ImageNet weights"
+def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
+    if weights is not None:
+        return pretrained_state_dict(weights), f"torchvision {cfg.arch} {weights.name} weights"
     if cfg.weights:
         state = ckpt_io.read_checkpoint(cfg.weights)
         state = state.get("state_dict", state)

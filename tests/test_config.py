@@ -35,7 +35,7 @@ def test_defaults_match_the_classic_reference_script():
     # The classic script's other defaults: no data given, nothing resumed, single process, fp32.
     assert cfg.data is None
     assert cfg.resume == ""
-    assert cfg.evaluate is False and cfg.pretrained is False and cfg.dummy is False
+    assert cfg.evaluate is False and cfg.pretrained is None and cfg.dummy is False
     assert cfg.world_size == -1 and cfg.rank == -1
     assert cfg.seed is None and cfg.gpu is None
     assert cfg.multiprocessing_distributed is False
@@ -70,7 +70,8 @@ def test_defaults_match_the_classic_reference_script():
     (["--resume", "ckpt.pth.tar"], "resume", "ckpt.pth.tar"),
     (["-e"], "evaluate", True),
     (["--evaluate"], "evaluate", True),
-    (["--pretrained"], "pretrained", True),
+    (["--pretrained"], "pretrained", "DEFAULT"),
+    (["--pretrained", "IMAGENET1K_V1"], "pretrained", "IMAGENET1K_V1"),
     (["--world-size", "2"], "world_size", 2),
     (["--world_size", "4"], "world_size", 4),
     (["--world-size", "2", "--rank", "1"], "rank", 1),

@@ -234,7 +234,7 @@ def _expected_weights_path(home: Path, arch: str) -> Path:
 def test_pretrained_with_empty_cache_names_the_file_and_never_downloads(empty_torch_home, arch):
     expected = _expected_weights_path(empty_torch_home, arch)
     with pytest.raises(UserError) as info:
-        models.pretrained_state_dict(arch)
+        models.pretrained_state_dict(models.pretrained_weights(arch))
     msg = str(info.value)
     assert str(expected) in msg
     assert "never downloads" in msg and "--weights" in msg
@@ -263,7 +263,7 @@ def test_pretrained_flag_uses_the_cached_file(empty_torch_home, tmp_path, capsys
     torch.manual_seed(6)
     imagenet_like = _state(torchvision.models.resnet18(num_classes=1000))
     torch.save(imagenet_like, path)
-    assert models.pretrained_state_dict("resnet18").keys() == imagenet_like.keys()
+    assert models.pretrained_state_dict(models.pretrained_weights("resnet18")).keys() == imagenet_like.keys()
     # 1000 ImageNet classes -> 7 dummy classes: the backbone loads, the classifier starts fresh.
     rc = main(DUMMY + ["--pretrained", "-e", "--output-dir", str(tmp_path / "out")])
     out = capsys.readouterr().out
@@ -276,4 +276,97 @@ def test_pretrained_unreadable_cache_file_is_a_user_error(empty_torch_home):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"<html>captive portal</html>")
     with pytest.raises(UserError, match="could not be read"):
-        models.pretrained_state_dict("resnet18")
+        models.pretrained_state_dict(models.pretrained_weights("resnet18"))
+
+
+# ----------------------------------------------------- --pretrained NAME and its evaluation geometry
+
+
+@pytest.fixture(scope="module")
+def resnet50_hub(tmp_path_factory):
+    """A torch hub cache holding ResNet-50 weights (random, of the right shapes) under the file
+    names of torchvision's IMAGENET1K_V1 and V2 URLs, and a tiny ImageFolder."""
+    home = tmp_path_factory.mktemp("torch_home")
+    folder = home / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.manual_seed(3)
+    state = _state(torchvision.models.resnet50(num_classes=1000))
+    weights = torchvision.models.ResNet50_Weights
+    first = folder / os.path.basename(weights.IMAGENET1K_V2.url)
+    torch.save(state, first)
+    os.link(first, folder / os.path.basename(weights.IMAGENET1K_V1.url))
+    from tests.helpers import make_digits
+    data = tmp_path_factory.mktemp("digits")
+    make_digits(data, train_per_class=1, val_per_class=1)
+    return home, str(data)
+
+
+def _evaluate_pretrained(hub, tmp_path, monkeypatch, capsys, *flags, data_first=True):
+    home, data = hub
+    monkeypatch.setenv("TORCH_HOME", str(home))
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)
+    common = ["-a", "resnet50", "-b", "10", "-j", "0", "--output-dir", str(tmp_path), *flags]
+    rc = main(([data] + common) if data_first else common + [data])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_pretrained_evaluates_at_the_weights_own_resize_and_crop(resnet50_hub, tmp_path, monkeypatch, capsys):
+    # DEFAULT is IMAGENET1K_V2 (published 80.858% at resize 232 / crop 224), not the classic 256.
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained")
+    assert rc == 0, err
+    assert "val 224 px of 232 (IMAGENET1K_V2's own evaluation resize" in out, out
+    assert "from torchvision's IMAGENET1K_V2 weights (80.858% ImageNet Acc@1 published)" in out
+    assert " * Acc@1 " in out
+
+
+def test_pretrained_by_name_and_the_flags_override_its_geometry(resnet50_hub, tmp_path, monkeypatch, capsys):
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained",
+                                        "IMAGENET1K_V1")
+    assert rc == 0, err
+    assert "val 224 px of 256 (IMAGENET1K_V1's own evaluation resize" in out, out
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained",
+                                        "--val-resize", "240")
+    assert rc == 0, err
+    assert "val 224 px of 240\n" in out, out
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained",
+                                        "--image-size", "112")
+    assert rc == 0, err
+    assert "val 112 px of 116 (IMAGENET1K_V2's evaluation ratio 232/224 at this crop" in out, out
+
+
+def test_pretrained_before_the_dataset_folder_still_means_default_weights(resnet50_hub, tmp_path, monkeypatch,
+                                                                          capsys):
+    # The classic script's `main.py -a resnet50 -e --pretrained DIR`: DIR is the dataset.
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained",
+                                        data_first=False)
+    assert rc == 0, err
+    assert "IMAGENET1K_V2's own evaluation resize" in out
+
+
+def test_unknown_pretrained_name_lists_the_valid_ones(resnet50_hub, tmp_path, monkeypatch, capsys):
+    rc, out, err = _evaluate_pretrained(resnet50_hub, tmp_path, monkeypatch, capsys, "-e", "--pretrained",
+                                        "IMAGENET1K_V9")
+    assert rc == EXIT_USER_ERROR
+    assert err.count("\n") == 1 and "IMAGENET1K_V1, IMAGENET1K_V2, or DEFAULT (IMAGENET1K_V2)" in err, err
+
+
+def test_pretrained_yaml_key_takes_a_bool_or_a_name(tmp_path):
+    from imagenet.config import parse_config
+    for value, expected in (("true", "DEFAULT"), ("false", None), ("IMAGENET1K_V1", "IMAGENET1K_V1")):
+        (tmp_path / "r.yaml").write_text(f"pretrained: {value}\n")
+        assert parse_config(["--config", str(tmp_path / "r.yaml")]).pretrained == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_pretrained_weight_set_evaluates_bilinear_antialiased(arch):
+    """The validation pipelines resize bilinearly with antialiasing (PIL's filter), and the
+    default crop is 224: every weight set's evaluation transform does the same, so its resize is
+    the one number to follow."""
+    from torchvision.transforms import InterpolationMode
+    for weights in torchvision.models.get_model_weights(arch):
+        preset = weights.transforms()
+        assert preset.interpolation == InterpolationMode.BILINEAR and preset.antialias, weights
+        assert preset.crop_size == [224], weights
+        resolved = models.pretrained_weights(arch, weights.name)
+        assert (resolved.resize, resolved.crop) == (preset.resize_size[0], preset.crop_size[0])
