@@ -123,20 +123,69 @@ class SafeImageFolder(datasets.ImageFolder):
 
 
 class SyntheticDataset(Dataset):
-    """``--dummy``: one random normalised image per class, labels cycling through the classes."""
+    """``--dummy``: ``size`` images of one shape, labels cycling through the classes (one random
+    normalised image per class, at most 64 distinct). No files and no workers: the loaders
+    make their batches once, on the training device (:class:`SyntheticLoader`)."""
 
     def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.images = torch.randn(min(num_classes, 64), 3, image_size, image_size, generator=g)
         self.size = size
         self.num_classes = num_classes
+        self.image_size = image_size
+        self.seed = seed
 
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, key):
-        index = key[0] if isinstance(key, tuple) else key
-        return self.images[index % len(self.images)], index % self.num_classes, None
+    def batch(self, n: int, device: torch.device, channels_last: bool) -> tuple:
+        """Images and labels of samples 0..n-1, on ``device``."""
+        g = torch.Generator().manual_seed(self.seed)
+        protos = torch.randn(min(self.num_classes, 64), 3, self.image_size, self.image_size, generator=g)
+        index = torch.arange(n)
+        images = protos[index % len(protos)].to(device)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, (index % self.num_classes).to(device)
+
+
+class SyntheticLoader:
+    """``--dummy``'s loader: one batch made on the device at start-up, handed out every step.
+
+    A rank's epoch has as many steps as the file loaders would give it (the same sampler
+    arithmetic), so ``--dummy`` runs the real loop, and measures the model alone: nothing is
+    decoded, collated or copied per step.
+    """
+
+    def __init__(self, dataset: SyntheticDataset, *, batch: int, samples: int, drop_last: bool,
+                 device: torch.device, channels_last: bool):
+        self.batch_size = batch
+        self.batches = samples // batch if drop_last else -(-samples // batch)
+        self.last = batch if drop_last else samples - (self.batches - 1) * batch
+        self.images, self.targets = dataset.batch(min(batch, samples) or 1, device, channels_last)
+        self.sampler = self  # the runner's per-epoch calls (set_epoch, set_start) land here
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.start = 0
+
+    def set_start(self, samples_done: int) -> None:
+        self.start = samples_done // self.batch_size
+
+    def set_image_size(self, size: Optional[int]) -> None:
+        raise UserError("--progressive-resize needs image files: --dummy images have one fixed size")
+
+    def decode_counts(self) -> dict:
+        return {"gpu": 0, "cpu": 0}
+
+    def __len__(self) -> int:
+        return max(self.batches - self.start, 0)
+
+    def __iter__(self):
+        for i in range(self.start, self.batches):
+            n = self.batch_size if i < self.batches - 1 else self.last
+            if n == len(self.targets):
+                yield self.images, self.targets, []
+            else:  # validation's last, partial batch
+                yield self.images[:n], self.targets[:n], []
 
 
 def collate_skipping(batch: Sequence) -> tuple:
@@ -389,6 +438,11 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # No padding with repeated images: a DDP epoch has as many global steps as a single-process
     # epoch of the same global batch. Augmentations are seeded per sample (SeededSampler), so
     # workers may live across epochs and resume stays exact.
+    if isinstance(data.train, SyntheticDataset):
+        per_rank = dict(device=ctx.device, channels_last=cfg.channels_last, batch=batch)
+        return (SyntheticLoader(data.train, samples=n_train // world, drop_last=True, **per_rank),
+                SyntheticLoader(data.val, samples=len(range(rank, len(data.val), world)), drop_last=False,
+                                **per_rank))
     train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_skipping, persistent_workers=cfg.workers > 0,

@@ -81,7 +81,6 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     sums = DeviceSums(ctx.device)
     if start_sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
         sums.seed(start_sums)
-    seeded = start_sums[3] if start_sums else 0.0
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
     group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
@@ -94,6 +93,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     last_good = None
     group_has_data = False
     completed, done = True, start_step
+    rate = SteadyRate(ctx.device, warm_steps=min(WARM_STEPS, (n - start_step) // accum // 5))
     start = end = time.perf_counter()
     for i, (images, targets, bad) in enumerate(loader, start=start_step):
         if i >= n:
@@ -101,7 +101,9 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         done = i + 1  # batches of this epoch consumed, the unreadable ones included
         last_micro = done % accum == 0
         skipped_paths += bad
-        data_time.update(time.perf_counter() - end)
+        waited = time.perf_counter() - end
+        data_time.update(waited)
+        rate.add(targets.numel(), waited)
         weight = 1.0
         # Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
         # when the last feature map is 1x1.
@@ -136,6 +138,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
                 ema.update(stepped)
             _schedule(scheduler, first=steps == 0)
             steps += 1
+            rate.stepped(steps)
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
         if bar is not None:
@@ -156,6 +159,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             break
     if bar is not None:
         bar.close()
+    steady = rate.finish()
     elapsed = time.perf_counter() - start
     _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
     partial = sums.raw(ctx, all_reduce_sum)
@@ -163,9 +167,65 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
             "train_samples": totals["count"], "steps": steps,
             "skipped_steps": precision.skipped_steps - skipped_before,
-            "img_per_s": (totals["count"] - seeded) / elapsed if elapsed > 0 else 0.0,
+            "img_per_s": steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
+            "data_wait_frac": steady.data_wait_frac, "steady": steady,
             "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
             "steps_done": done, "partial_sums": partial}
+
+
+WARM_STEPS = 10  # optimizer steps of each epoch left out of its rate: compilation, cuDNN's search, workers' start
+
+
+@dataclass
+class Steady:
+    """The steady part of an epoch, in this process: images, seconds and seconds spent waiting for input."""
+
+    images: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0
+
+    @property
+    def img_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def data_wait_frac(self) -> float:
+        return min(self.waited / self.seconds, 1.0) if self.seconds > 0 else 0.0
+
+
+class SteadyRate:
+    """Times the training loop after its first ``warm_steps`` optimizer steps.
+
+    The clock starts and stops after waiting for the device (twice an epoch, never per step), so
+    the span holds exactly the steps' device work; the input wait is the host time spent in the
+    loader, which under a full device queue is ~0 and for an input-bound loop the device's idle time.
+    """
+
+    def __init__(self, device: torch.device, warm_steps: int):
+        self.device, self.warm = device, warm_steps
+        self.totals = Steady()
+        self.started: Optional[float] = self._sync() if warm_steps == 0 else None
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, images: int, waited: float) -> None:
+        """A batch of ``images`` arrived after ``waited`` seconds."""
+        if self.started is not None:
+            self.totals.images += images
+            self.totals.waited += waited
+
+    def stepped(self, steps: int) -> None:
+        if steps == self.warm and self.started is None:
+            self.started = self._sync()
+
+    def finish(self) -> Steady:
+        if self.started is None:  # an epoch (or a resumed remainder) shorter than the warm-up
+            return self.totals
+        self.totals.seconds = self._sync() - self.started
+        return self.totals
 
 
 def _ddp(model: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:

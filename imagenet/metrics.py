@@ -100,7 +100,8 @@ class EpochRecord:
     train_samples: int
     steps: int  # optimizer steps run in this process's share of the epoch (after a resume: since it)
     skipped_steps: int  # of those, skipped for gradient overflow
-    img_per_s: float  # training images over training-loop time (no validation, checkpoint or start-up)
+    img_per_s: float  # steady training rate: after the epoch's first steps, training steps only
+    data_wait_frac: float  # share of that time the loop waited for input (over 0.1: input-bound)
     train_seconds: float
     val_loss: float
     val_acc1: float

@@ -25,7 +25,7 @@ from . import distributed, optim
 from .config import Config, parse_config
 from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image_size_at, micro_batch,
                    per_process_batch, val_geometry)
-from .engine import LoopOptions, lr_lambda, train_one_epoch, validate
+from .engine import LoopOptions, Steady, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import (compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict,
                      pretrained_weights, strip_prefix)
@@ -366,7 +366,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "config"}, fh, sort_keys=False)
     run_start = time.perf_counter()
     last: dict = {}
-    total_images, epochs_run = 0.0, 0
+    steady, epochs_run = Steady(), 0
     for epoch in range(start_epoch, cfg.epochs):
         epoch_start = time.perf_counter()
         epoch_lr = optimizer.param_groups[0]["lr"]
@@ -406,13 +406,15 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
         record = EpochRecord(
             epoch=epoch, lr=epoch_lr, lr_end=optimizer.param_groups[0]["lr"],
             **{k: train[k] for k in ("train_loss", "train_acc1", "train_acc5", "train_samples", "steps",
-                                     "skipped_steps", "img_per_s", "train_seconds")},
+                                     "skipped_steps", "img_per_s", "data_wait_frac", "train_seconds")},
             **{k: val[k] for k in ("val_loss", "val_acc1", "val_acc5", "val_samples")},
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=precision.loss_scale, skipped_steps_total=precision.skipped_steps, best_acc1=best_acc1,
             precision=precision.name, mode=ctx.mode, image_size=size, world_size=ctx.world_size,
             **averaged, **decoded).to_dict()
-        total_images += train["train_samples"]
+        steady.images += train["steady"].images
+        steady.seconds += train["steady"].seconds
+        steady.waited += train["steady"].waited
         epochs_run += 1
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)
@@ -424,16 +426,39 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             if train["skipped_steps"]:
                 logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
                             epoch, train["skipped_steps"], train["steps"], precision.loss_scale)
+            if train["data_wait_frac"] > INPUT_BOUND:
+                logger.warning("=> epoch %d was input-bound: the training loop waited for data %.0f%% of the time "
+                               "(%.0f img/s); %s", epoch, 100 * train["data_wait_frac"], train["img_per_s"],
+                               _input_hint(cfg, ctx))
         last = record
         if cfg.prof > 0:
             break
     total = time.perf_counter() - run_start
+    world = ctx.world_size if ctx.distributed else 1
     summary = {"best_acc1": best_acc1, "last_acc1": last.get("val_acc1"), "epochs_run": epochs_run,
-               "seconds": total, "img_per_s": total_images / total if total > 0 else 0.0, "last": last}
+               "seconds": total, "img_per_s": steady.img_per_s * world, "data_wait_frac": steady.data_wait_frac,
+               "last": last}
     if ctx.is_main and last:
-        logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s, %.0f img/s; outputs in %s",
-                    best_acc1, last["val_acc1"], total, summary["img_per_s"], os.path.abspath(cfg.output_dir))
+        logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s; training %.0f img/s steady, %.0f%% of it "
+                    "waiting for input; outputs in %s", best_acc1, last["val_acc1"], total, summary["img_per_s"],
+                    100 * summary["data_wait_frac"], os.path.abspath(cfg.output_dir))
     return summary
+
+
+INPUT_BOUND = 0.1  # share of the steady training time spent waiting for input that an epoch line reports
+
+
+def _input_hint(cfg: Config, ctx) -> str:
+    """What to try when the loop waits for input."""
+    tips = [f"more data workers (-j, now {cfg.workers}; {os.cpu_count()} CPUs here)"]
+    if ctx.device.type == "cuda" and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
+            and cfg.auto_augment == "none" and cfg.random_erase == 0:
+        tips.append("--decode gpu (JPEG decoding on the GPU)")
+    if cfg.data_pipeline == "classic":
+        tips.append("--data-pipeline fast")
+    if cfg.no_jpeg_draft:
+        tips.append("dropping --no-jpeg-draft")
+    return "try " + ", ".join(tips)
 
 
 def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:

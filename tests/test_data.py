@@ -296,9 +296,37 @@ def test_build_loaders_shapes():
     assert images.shape == (4, 3, 8, 8) and targets.shape == (4,) and skipped == []
 
 
+class _Images(torch.utils.data.Dataset):
+    """n 8x8 images through the file loaders' path (workers, collate, DeviceLoader)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        index = key[0] if isinstance(key, tuple) else key
+        return torch.full((3, 8, 8), float(index)), index % 2, None
+
+
+def test_dummy_batches_are_made_once_on_the_device_and_never_pass_through_workers(monkeypatch):
+    def no_workers(*args, **kwargs):
+        raise AssertionError("--dummy made a DataLoader")
+    monkeypatch.setattr("imagenet.data.DataLoader", no_workers)
+    train, val = build_loaders(_cfg(batch_size=4, workers=2), _bundle(10, 5), _ctx(), seed=0)
+    batches = list(train)
+    assert len(train) == len(batches) == 2  # the partial last training batch is dropped, as with files
+    assert all(b[0] is batches[0][0] for b in batches)  # the same device tensor every step
+    assert [len(t) for _, t, _ in val] == [4, 1]
+    train.set_start(4)  # a mid-epoch resume skips the batches done
+    assert len(train) == 1 and len(list(train)) == 1
+
+
 def test_gpu_decode_prepares_batches_in_a_background_thread():
+    files = DataBundle(_Images(10), _Images(5), ["0", "1"], "tensors")
     for decode, background in (("cpu", False), ("gpu", True)):
-        train, val = build_loaders(_cfg(batch_size=4, decode=decode), _bundle(10, 5), _ctx(), seed=0)
+        train, val = build_loaders(_cfg(batch_size=4, decode=decode), files, _ctx(), seed=0)
         assert train.background is background and val.background is background
         assert sum(len(t) for _, t, _ in val) == 5
 

@@ -1,0 +1,91 @@
+"""Throughput as users see it: the steady training rate and the share of it spent waiting for input."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from imagenet.distributed import DistContext
+from imagenet.engine import LoopOptions, train_one_epoch
+from imagenet.optim import build_optimizer
+from imagenet.precision import Precision
+from imagenet.runner import main
+
+CPU = DistContext("cpu", torch.device("cpu"), "test")
+
+
+class SlowLoader:
+    """``n`` batches of 4 tiny images; batch i arrives after ``delay(i)`` seconds."""
+
+    def __init__(self, n, delay):
+        g = torch.Generator().manual_seed(0)
+        self.batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g), [])
+                        for _ in range(n)]
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            time.sleep(self.delay(i))
+            yield batch
+
+
+def epoch(loader):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 5))
+    opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    start = time.perf_counter()
+    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
+                          LoopOptions(print_freq=1000, input_shape=(3, 8, 8)))
+    return out, time.perf_counter() - start
+
+
+def test_img_per_s_leaves_out_the_first_steps():
+    # The first batch takes a second (workers starting, compilation): the rate of the whole loop
+    # would be 200 images over > 1 s; the steady rate sees the 40 fast steps after the warm-up.
+    out, seconds = epoch(SlowLoader(50, lambda i: 1.0 if i == 0 else 0.0))
+    assert out["train_samples"] == 200 and seconds > 1.0
+    assert out["img_per_s"] > 3 * 200 / seconds, (out["img_per_s"], 200 / seconds)
+    assert out["data_wait_frac"] < 0.5
+    assert out["steady"].images == 4 * 40  # after the 10 warm-up steps
+
+
+def test_data_wait_frac_is_high_for_a_slow_loader():
+    out, _ = epoch(SlowLoader(20, lambda i: 0.15))
+    assert out["data_wait_frac"] > 0.6, out["data_wait_frac"]
+
+
+def dummy_run(out, *extra):
+    return main(["--dummy", "--dummy-train-size", "400", "--dummy-val-size", "8", "--dummy-classes", "5",
+                 "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize", "16", "-p", "1000",
+                 "--epochs", "1", "--seed", "0", "--output-dir", str(out), *extra])
+
+
+def test_an_input_bound_epoch_says_so_and_what_to_try(tmp_path, monkeypatch, capsys):
+    from imagenet.data import SyntheticLoader
+    fast_iter = SyntheticLoader.__iter__
+
+    def slow(self):
+        for batch in fast_iter(self):
+            time.sleep(0.05)
+            yield batch
+    monkeypatch.setattr(SyntheticLoader, "__iter__", slow)
+    assert dummy_run(tmp_path) == 0
+    out = capsys.readouterr().out
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["data_wait_frac"] > 0.1
+    assert "=> epoch 0 was input-bound: the training loop waited for data" in out and "-j, now 0" in out, out
+    assert "waiting for input" in out.splitlines()[-1]  # the summary line
+
+
+def test_a_model_bound_epoch_stays_quiet(tmp_path, capsys):
+    assert dummy_run(tmp_path) == 0
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["data_wait_frac"] < 0.1 and row["img_per_s"] > 0
+    assert "input-bound" not in capsys.readouterr().out
