@@ -40,7 +40,10 @@ from imagenet.precision import MasterWeightPrecision, build_precision, configure
 
 PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
 LAYOUTS = {"contiguous": False, "channels_last": True}  # --layouts name: channels_last
-PIPELINES = ("classic", "fast", "gpu")
+# classic: the reference script's input exactly (torchvision's ImageFolder and transforms, a plain
+# DataLoader, .to(device)); trainer-classic: main.py --data-pipeline classic; fast: main.py's
+# default; gpu: --decode gpu
+PIPELINES = ("classic", "trainer-classic", "fast", "gpu")
 
 
 def precision_config(name: str, base: Config) -> Config:
@@ -213,13 +216,47 @@ def profile_batches(it, train_step, n: int, device: torch.device, pipeline: str)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
 
 
-def bench_data(args, train_defaults: argparse.Namespace) -> int:
-    """Iterate the training loader of DIR with each pipeline; img/s side by side. With --train,
-    ``train_defaults`` (the ``train`` command's options) set up the model step."""
+def plain_torchvision_loader(args, device: torch.device, batches: int):
+    """The reference script's input, nothing of ours in it: ImageFolder, torchvision's transforms,
+    a DataLoader over torch's RandomSampler (``batches`` batches, epochs back to back), and each
+    batch ``.to(device, non_blocking=True)`` as the loop does."""
+    from torch.utils.data import DataLoader, RandomSampler
+    from torchvision import datasets, transforms
+
+    from imagenet.data import IMAGENET_MEAN, IMAGENET_STD
+    train = datasets.ImageFolder(os.path.join(args.dir, "train"), transforms.Compose([
+        transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    loader = DataLoader(train, batch_size=args.batch_size,
+                        sampler=RandomSampler(train, num_samples=batches * args.batch_size),
+                        num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
+                        prefetch_factor=PREFETCH if args.workers else None)
+    for images, targets in loader:
+        yield images.to(device, non_blocking=True), targets.to(device, non_blocking=True), []
+
+
+def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
+    """The trainer's own loader for ``pipeline`` (as main.py builds it), over ``batches`` batches."""
     from torch.utils.data import DataLoader
 
     from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, collate_skipping
     from imagenet.prefetch import DeviceLoader
+    cfg = Config(data=args.dir, data_pipeline="classic" if pipeline == "trainer-classic" else "fast",
+                 decode="gpu" if pipeline == "gpu" else "cpu", image_size=args.image_size,
+                 workers=args.workers, batch_size=args.batch_size)
+    validate(cfg)
+    data = build_datasets(cfg, args.dir)
+    return iter(DeviceLoader(DataLoader(data.train, batch_size=args.batch_size,
+                                        sampler=RepeatedShuffle(len(data.train), batches * args.batch_size),
+                                        num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
+                                        pin_memory=device.type == "cuda", persistent_workers=False,
+                                        prefetch_factor=PREFETCH if args.workers else None),
+                             device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu"))
+
+
+def bench_data(args, train_defaults: argparse.Namespace) -> int:
+    """Iterate the training loader of DIR with each pipeline; img/s side by side. With --train,
+    ``train_defaults`` (the ``train`` command's options) set up the model step."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "gpu" in args.pipelines.split(",") and device.type != "cuda":
         print("error: the gpu pipeline (--decode gpu) needs a CUDA GPU; drop it from --pipelines", file=sys.stderr)
@@ -236,16 +273,6 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
             return 2
     results = {}
     for pipeline in args.pipelines.split(","):
-        # "gpu": the fast pipeline with --decode gpu (workers read bytes, nvJPEG decodes on the device)
-        cfg = Config(data=args.dir, data_pipeline="fast" if pipeline == "gpu" else pipeline,
-                     decode="gpu" if pipeline == "gpu" else "cpu", image_size=args.image_size,
-                     workers=args.workers, batch_size=args.batch_size)
-        validate(cfg)
-        try:
-            data = build_datasets(cfg, args.dir)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         # Every worker holds up to PREFETCH batches, so the first workers x PREFETCH batches after
         # start-up come out of a full queue: the warm-up drains it twice over and each window is at
         # least that long, or a window times the queue, not the decoding (16-core machine: windows
@@ -254,14 +281,14 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
         queued = args.workers * PREFETCH
         warmup, per_window = max(args.warmup, 2 * queued), max(args.batches, queued)
         need = warmup + args.windows * per_window + args.profile
-        loader = DeviceLoader(DataLoader(data.train, batch_size=args.batch_size,
-                                         sampler=RepeatedShuffle(len(data.train), need * args.batch_size),
-                                         num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
-                                         pin_memory=device.type == "cuda", persistent_workers=False,
-                                         prefetch_factor=PREFETCH if args.workers else None),
-                              device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu")
+        try:
+            loader = (plain_torchvision_loader(args, device, need) if pipeline == "classic" else
+                      trainer_loader(args, device, need, pipeline))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         rates, seen, t0, count = [], 0, None, 0
-        it = iter(loader)
+        it = loader
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         while len(rates) < args.windows:
             images, targets, _ = next(it)
@@ -291,7 +318,7 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
     if len(results) > 1 and "classic" in results:
         base = statistics.median(results["classic"])
         for name, rates in results.items():
-            print(f"  {name}: {statistics.median(rates) / base:.2f}x classic")
+            print(f"  {name}: {statistics.median(rates) / base:.2f}x classic (plain torchvision)")
     last = list(results)[-1]
     print(f"{last} pipeline, {args.workers} workers: {statistics.median(results[last]):.0f} img/s")
     return 0
@@ -330,7 +357,8 @@ def main(argv=None) -> int:
     d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--pipelines", default="classic,fast",
-                   help="comma list of classic,fast,gpu (gpu: fast with --decode gpu; needs CUDA)")
+                   help="comma list of classic (the reference script's: plain torchvision), trainer-classic "
+                        "(--data-pipeline classic), fast (the default), gpu (--decode gpu; needs CUDA)")
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--image-size", type=int, default=224)
     d.add_argument("--warmup", type=int, default=4,

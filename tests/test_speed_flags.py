@@ -132,15 +132,38 @@ def bench_data(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+def test_bench_classic_row_is_plain_torchvision(jpeg_folder):
+    """The baseline is what the reference script runs, nothing of ours in a worker or the main
+    process: torchvision's ImageFolder and transforms, a plain DataLoader; the same seed gives
+    the very batches a hand-written reference loop gets."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, RandomSampler
+    from torchvision import datasets, transforms
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench
+    args = SimpleNamespace(dir=str(jpeg_folder), image_size=32, batch_size=4, workers=0)
+    torch.manual_seed(5)
+    ours = [b for _, b in zip(range(3), bench.plain_torchvision_loader(args, torch.device("cpu"), 3))]
+    torch.manual_seed(5)
+    ref_set = datasets.ImageFolder(str(jpeg_folder / "train"), transforms.Compose([
+        transforms.RandomResizedCrop(32), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]))
+    ref = DataLoader(ref_set, batch_size=4, sampler=RandomSampler(ref_set, num_samples=12), drop_last=True)
+    for (a, ta, skipped), (b, tb) in zip(ours, ref):
+        assert torch.equal(a, b) and torch.equal(ta, tb) and skipped == []
+    assert len(ours) == 3
+
+
 def test_bench_data_compares_pipelines_and_can_train_on_every_batch(jpeg_folder):
     """The loader alone (classic vs fast side by side, a ratio line, the last line '... N img/s'),
     then the same loader feeding a training step on every batch, with a profile of the ops."""
     small = ["--workers", "1", "--batch-size", "4", "--image-size", "32", "--warmup", "2", "--batches", "2",
              "--windows", "2"]
-    r = bench_data(jpeg_folder, *small, "--pipelines", "classic,fast")
+    r = bench_data(jpeg_folder, *small, "--pipelines", "classic,trainer-classic,fast")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert any(line.startswith("bench data: classic") for line in lines) and "x classic" in r.stdout
+    assert any(line.startswith("bench data: classic") for line in lines) and "x classic (plain torchvision)" in r.stdout
     assert lines[-1].startswith("fast pipeline, 1 workers:") and lines[-1].endswith(" img/s")
     assert float(lines[-1].split()[-2]) > 0
     r = bench_data(jpeg_folder, *small, "--pipelines", "fast", "--train", "fp32", "--train-arch", "resnet18",
