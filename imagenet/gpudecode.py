@@ -4,8 +4,9 @@ Workers do what needs no pixels: read the file, read the header size, draw the R
 box and the flip from the per-sample seeded RNG exactly as the CPU path does (so ``--seed``
 gives the same crops either way), and ship the compressed bytes (a tenth of the decoded size).
 On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
-the batch; each image is cropped, resized with antialiased bilinear interpolation (PIL's
-filter, so the pixels match the CPU path within rounding) and flipped there.
+the batch, and one kernel (:mod:`imagenet.gpugeometry`) crops, resizes with antialiased bilinear
+interpolation (PIL's filter, so the pixels match the CPU path within rounding) and flips every
+image of it; without Triton, torch's resize does it image by image.
 
 Fallbacks, counted per epoch in metrics.jsonl: files that are not baseline RGB/greyscale JPEGs
 (PNG, CMYK JPEG, ...) are decoded on the CPU in the worker as before; a JPEG that the GPU
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from . import gpugeometry
 from .decode import _rgb, _to_tensor
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
@@ -166,12 +168,12 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
                     images.append(None)
         for (i, job), img in zip(jobs, images):
             decoded[i] = img
-    out, flips, keep, bad = [], [], [], []
+    keep, bad = [], []
     counts = {"gpu": 0, "cpu": 0}
+    full, ready = [], []  # (output row, CHW image, job) to crop and resize; (row, HWC image) done by a worker
     for i, item in enumerate(batch.items):
         if isinstance(item, CpuDecoded):  # the worker decoded it (not a plain JPEG), HWC uint8
-            out.append(item.image.to(device, non_blocking=True).permute(2, 0, 1).float())
-            flips.append(False)  # the worker's decoder already flipped it
+            ready.append((len(full) + len(ready), item.image))
             keep.append(True)
             counts["cpu"] += 1
             continue
@@ -186,8 +188,37 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
             counts["cpu"] += 1
         else:
             counts["gpu"] += 1
-        out.append(_geometry(item, img))
-        flips.append(item.flip)
+        full.append((len(full) + len(ready), img, item))
         keep.append(True)
-    images = _finish(out, flips, device) if out else torch.empty(0, dtype=torch.uint8, device=device)
+    if not full and not ready:
+        return torch.empty(0, dtype=torch.uint8, device=device), keep, bad, counts
+    if gpugeometry.available(device):
+        images = _batched(full, ready, device)
+    else:
+        images = _per_image(full, ready, device)
     return images, keep, bad, counts
+
+
+def _batched(full: list, ready: list, device: torch.device) -> torch.Tensor:
+    """uint8 NHWC batch: every crop/resize/flip in one kernel (see :mod:`imagenet.gpugeometry`)."""
+    size = (full[0][2].out if full else ready[0][1].shape[0])
+    out = torch.empty((len(full) + len(ready), size, size, 3), dtype=torch.uint8, device=device)
+    samplings = [gpugeometry.Sampling.train(job.box, job.out) if job.kind == "train"
+                 else gpugeometry.Sampling.val(img.shape[1], img.shape[2], job.box) for _, img, job in full]
+    gpugeometry.crop_resize_flip([img for _, img, _ in full], samplings, [job.flip for *_, job in full],
+                                 [row for row, _, _ in full], out)
+    if ready:  # already cropped and flipped by the worker
+        rows = torch.tensor([row for row, _ in ready]).to(device, non_blocking=True)
+        out.index_copy_(0, rows, torch.stack([img for _, img in ready]).to(device, non_blocking=True))
+    return out
+
+
+def _per_image(full: list, ready: list, device: torch.device) -> torch.Tensor:
+    """The same batch with torch's own resize, a few kernels per image (no Triton)."""
+    images = [None] * (len(full) + len(ready))
+    flips = [False] * len(images)
+    for row, img, job in full:
+        images[row], flips[row] = _geometry(job, img), job.flip
+    for row, img in ready:  # the worker's decoder already flipped it
+        images[row] = img.to(device, non_blocking=True).permute(2, 0, 1).float()
+    return _finish(images, flips, device)
