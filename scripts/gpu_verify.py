@@ -2,6 +2,8 @@
 """The GPU verification matrix, one phase per device call, each ending in a short table.
 
     python scripts/gpu_verify.py smoke      # GPU tests, every mode for a few steps, the demo's time
+    python scripts/gpu_verify.py suite      # GPU tests, the whole suite with the GPU hidden, ResNet-50 per --compile
+    python scripts/gpu_verify.py e2e        # ResNet-50 fp16: synthetic step, loader alone, JPEG end to end, one table
     python scripts/gpu_verify.py precision  # Fashion-MNIST, 1 GPU: fp32 vs fp16 (static/dynamic) vs amp
     python scripts/gpu_verify.py multigpu   # the report's commands on 2 GPUs: DataParallel and DDP
     python scripts/gpu_verify.py bench      # resnet50 step throughput: precision x layout; 1 GPU, DP, DDP
@@ -180,6 +182,52 @@ def phase_smoke(args) -> None:
                            "env": {"CUDA_VISIBLE_DEVICES": "0", "IMAGENET_TRAINER_CACHE": "/tmp/itcache"}}], args)
     table(results, None)
     print(f"\npytest exit {rc}")
+
+
+def phase_suite(args) -> None:
+    """Issue 13's record: the GPU tests on the GPU, the whole suite with the GPU hidden (the CPU
+    suite on a machine without the demo's mlxtend wheel), and the README's ResNet-50 command
+    under every --compile mode, all with nothing installed beyond the machine's own packages."""
+    import importlib.util
+    t0 = time.time()
+    gpu_tests = "tests/test_gpu.py tests/test_pipeline.py tests/test_gpudecode.py"
+    xdist = importlib.util.find_spec("xdist") is not None
+    jobs = max(2, (os.cpu_count() or 4) // 2)
+    steps = [
+        ("gpu tests", f"{PY} -m pytest -q -p no:cacheprovider --tb=short {gpu_tests}", {}),
+        ("cpu suite, no GPU, no mlxtend",
+         f"{PY} -m pytest -q -p no:cacheprovider --tb=short {'-n ' + str(jobs) if xdist else ''} tests",
+         {"CUDA_VISIBLE_DEVICES": "", "IMAGENET_TRAINER_CACHE": "/tmp/itcache-suite"}),
+    ]
+    procs = [(name, cmd, env, time.time(), sh(cmd, os.path.join(args.out, f"{i}.log"), env, wait=False))
+             for i, (name, cmd, env) in enumerate(steps)]  # the suite keeps off the GPU: side by side
+    rows = []
+    for i, (name, cmd, env, start, proc) in enumerate(procs):
+        rc = proc.wait()
+        last = tail(os.path.join(args.out, f"{i}.log"), 1).strip()
+        rows.append((name, command_line(cmd, env), rc, last, time.time() - start))
+        print(tail(os.path.join(args.out, f"{i}.log"), 40 if rc else 2), flush=True)
+    r50 = (f"main.py --dummy -a resnet50 -b 256 --fp16 --channels-last --epochs 1 --prof {args.bench_steps} -j 8 "
+           "--dummy-train-size 25600 --dummy-val-size 2560 --output-dir OUT")
+    runs = [{"name": f"r50-compile-{mode}", "cmd": f"{PY} {r50} --compile {mode}", "env": {"CUDA_VISIBLE_DEVICES": "0"}}
+            for mode in args.compile_modes.split(",") if mode]
+    for r in runs:  # one at a time: compile workers and timings of their own
+        left = args.budget - (time.time() - t0)
+        if left < 60:
+            rows.append((r["name"], command_line(r["cmd"], r["env"]), "not run", "time budget spent", 0.0))
+            continue
+        r = dict(r, cmd=f"timeout {int(left)} {r['cmd']}")
+        res = run_group([r], args)[0]
+        log = os.path.join(args.out, r["name"], "log.txt")
+        done = [line for line in open(log) if line.startswith("=> done")] if os.path.exists(log) else []
+        rows.append((r["name"], command_line(res["cmd"], r["env"]), res["rc"],
+                     done[-1].strip() if done else tail(log, 1).strip(), res["seconds"]))
+    print("\n| step | exit | result | s |\n| --- | ---: | --- | ---: |")
+    for name, _cmd, rc, last, secs in rows:
+        print(f"| {name} | {rc} | {last[:150]} | {secs:.0f} |")
+    print("\ncommands:")
+    for name, cmd, *_ in rows:
+        print(f"- {name}: `{cmd}`")
 
 
 def phase_precision(args) -> None:
@@ -374,6 +422,76 @@ def phase_jpeg(args) -> None:
     print_commands(results)
 
 
+def _epoch_rates(out_dir: str, skip: int) -> tuple:
+    """(median img/s, min, max, median data_wait_frac) over the epochs after the first ``skip``."""
+    rows = last_metrics(out_dir)[skip:]
+    if not rows:
+        return None
+    rates = sorted(r["img_per_s"] for r in rows)
+    waits = sorted(r.get("data_wait_frac", float("nan")) for r in rows)
+    return rates[len(rates) // 2], rates[0], rates[-1], waits[len(waits) // 2]
+
+
+def phase_e2e(args) -> None:
+    """ResNet-50 --fp16 --channels-last, batch 256, one GPU, side by side in one call (--parts):
+    the model step on synthetic data (bench.py train, and main.py --dummy), eager and CUDA
+    graphs; the loader alone (plain torchvision, the fast CPU decode, GPU decode); and training
+    end to end from the JPEG folder with GPU decode (eager, CUDA graphs), CPU decode, and the
+    trainer's classic pipeline. Every rate is a median over windows (bench.py) or epochs after
+    the first (main.py), with the spread; main.py's epochs leave out their first 10 steps."""
+    parts = args.parts.split(",")
+    g0 = {"CUDA_VISIBLE_DEVICES": "0"}
+    w = args.workers
+    model = "-a resnet50 -b 256 --fp16 --channels-last"
+    bench = f"scripts/bench.py train --arch resnet50 --batch-size 256 --precision fp16 --channels-last " \
+            f"--steps {args.bench_steps} --windows 5 --json OUT/rows.json"
+    dummy = (f"main.py --dummy {model} --epochs 3 --dummy-train-size {256 * 60} --dummy-val-size 2560 -p 100 "
+             "--output-dir OUT")
+    runs = []  # (name, kind, cmd)
+    for mode in ("off", "reduce-overhead"):
+        label = "eager" if mode == "off" else "cuda-graphs"
+        if "synthetic" in parts:
+            runs.append((f"synthetic-bench-{label}", "bench", f"{PY} {bench} --compile {mode}"))
+        if "dummy" in parts:
+            runs.append((f"synthetic-main-{label}", "main", f"{PY} {dummy} --compile {mode}"))
+    if "loader" in parts:
+        runs.append(("loader-alone", "loader", f"{PY} scripts/bench.py data {JPEG_DIR} --workers {w} --batch-size 256 "
+                                              f"--windows {args.data_windows} --pipelines classic,fast,gpu"))
+    if "jpeg" in parts:
+        e2e = f"main.py {JPEG_DIR} {model} -j {w} --epochs {args.e2e_epochs} -p 50 --output-dir OUT"
+        for name, extra in (("jpeg-gpu-decode-eager", "--decode gpu"),
+                            ("jpeg-gpu-decode-cuda-graphs", "--decode gpu --compile reduce-overhead"),
+                            ("jpeg-cpu-decode-eager", "--decode cpu"),
+                            ("jpeg-trainer-classic-eager", "--data-pipeline classic")):
+            runs.append((name, "main", f"{PY} {e2e} {extra}"))
+    if "loader" in parts or "jpeg" in parts:
+        ensure_jpeg(args)
+    rows, results = [], []
+    for name, kind, cmd in runs:
+        res = run_group([{"name": name, "cmd": cmd, "env": g0}], args)[0]
+        results.append(res)
+        before = len(rows)
+        out = os.path.join(args.out, name)
+        print(tail(os.path.join(out, "log.txt"), 3), flush=True)
+        if kind == "bench" and os.path.exists(os.path.join(out, "rows.json")):
+            r = json.load(open(os.path.join(out, "rows.json")))[0]
+            rows.append((name, f"{r['img_per_s']:.0f}", f"{r['min']:.0f}..{r['max']:.0f}", "", res))
+        elif kind == "main" and _epoch_rates(out, 1):
+            med, lo, hi, wait = _epoch_rates(out, 1)
+            rows.append((name, f"{med:.0f}", f"{lo:.0f}..{hi:.0f}", f"{wait:.3f}", res))
+        elif kind == "loader":
+            for line in open(os.path.join(out, "log.txt")):
+                if line.startswith("bench data:"):
+                    words = line.split()
+                    rows.append((f"loader-{words[2]}", words[4], words[7].strip("(,;"), "", res))
+        if len(rows) == before:
+            rows.append((name, f"FAILED (exit {res['rc']})", "", "", res))
+    print(f"\n| row | img/s (median) | spread | data wait | wall s |\n| --- | ---: | --- | ---: | ---: |")
+    for name, med, spread, wait, res in rows:
+        print(f"| {name} | {med} | {spread} | {wait} | {res['seconds']:.0f} |")
+    print_commands(results)
+
+
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
                    "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1"}
 
@@ -464,7 +582,7 @@ def phase_scaling(args) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("smoke", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling"))
+    p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -494,10 +612,16 @@ def main() -> int:
     p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
     p.add_argument("--variants", default="plain,ema-ls",
                    help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing)")
+    p.add_argument("--e2e-epochs", type=int, default=4, help="e2e: epochs of each JPEG run (the first is left out)")
+    p.add_argument("--parts", default="synthetic,dummy,loader,jpeg",
+                   help="e2e: comma list of synthetic (bench.py train), dummy (main.py --dummy), loader, jpeg")
+    p.add_argument("--compile-modes", default="off,default,reduce-overhead,max-autotune",
+                   help="suite: --compile modes of the ResNet-50 run")
+    p.add_argument("--budget", type=float, default=540, help="suite: seconds for the whole phase")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"smoke": phase_smoke, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
+    {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
      "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling}[args.phase](args)
     return 0
 
