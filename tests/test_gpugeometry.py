@@ -50,6 +50,7 @@ def compare(seed=0, n=9, size=20, device="cpu") -> dict:
     return {"max": int(diff.max()), "frac_off": float((diff > 0).float().mean()), "ready_equal": torch.equal(a[n], b[n])}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the compiled kernel is tested instead")
 def test_kernel_matches_torchs_per_image_resize_under_the_interpreter():
     code = ("import json, sys; sys.path.insert(0, '.'); import tests.test_gpugeometry as t; "
             "print(json.dumps(t.compare(seed=3)))")
@@ -83,14 +84,16 @@ def test_kernel_matches_torchs_per_image_resize_on_the_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path):
+def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monkeypatch):
     """Real JPEGs through decode_batch on the GPU (nvJPEG, then the kernel), beside a PNG, a
-    CMYK JPEG and an unreadable file: each image once, in order, within PIL's rounding."""
+    CMYK JPEG and an unreadable file: each image once, in order; the kernel's pixels are the
+    per-image path's (one level), and PIL's within what nvJPEG's own decode allows."""
+    from imagenet import gpugeometry
     from imagenet.decode import TrainDecoder, ValDecoder
     from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
     from tests.test_gpudecode import garbage_job, photo
     paths = []
-    for i, (h, w) in enumerate([(375, 500), (500, 375), (97, 131), (64, 64), (333, 250)]):
+    for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 250), (97, 131), (64, 64)]):
         paths.append(str(tmp_path / f"{i}.JPEG"))
         photo(h, w, i).save(paths[-1], "JPEG", quality=90)
     png, cmyk = str(tmp_path / "png.JPEG"), str(tmp_path / "cmyk.JPEG")
@@ -109,6 +112,13 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path):
         images, keep, bad, counts = decode_batch(JpegBatch(items), torch.device("cuda"))
         assert keep == [True, True, False] + [True] * 5 and bad == ["garbage.JPEG"]
         assert counts == {"gpu": 5, "cpu": 2} and images.shape == (7, size, size, 3)
-        for got, want in zip(images.cpu(), wants):
+        with monkeypatch.context() as m:
+            m.setattr(gpugeometry, "available", lambda device: False)
+            per_image = decode_batch(JpegBatch(items), torch.device("cuda"))[0]
+        assert (images.int() - per_image.int()).abs().max() <= 1
+        for k, (got, want) in enumerate(zip(images.cpu(), wants)):
             diff = (got.int() - want.int()).abs()
-            assert diff.float().mean() < 1.0 and diff.max() <= 3, (size, diff.float().mean(), diff.max())
+            # nvJPEG's chroma upsampling is not libjpeg's: within the nvJPEG test's bounds on
+            # photo-sized images; on the two small ones, scaled up, it shows (mean 2-3 levels)
+            mean, peak = (1.0, 8) if k < 3 or k >= 5 else (4.0, 32)
+            assert diff.float().mean() < mean and diff.max() <= peak, (size, k, diff.float().mean(), diff.max())
