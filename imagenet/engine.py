@@ -185,6 +185,10 @@ class Steady:
     seconds: float = 0.0
     waited: float = 0.0
 
+    def plus(self, other: tuple) -> "Steady":
+        """These totals and another epoch's (as the loop returns them: a plain tuple)."""
+        return Steady(*(a + b for a, b in zip(dataclasses.astuple(self), other)))
+
     @property
     def img_per_s(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0

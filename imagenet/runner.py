@@ -417,7 +417,7 @@ def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, t
             loss_scale=precision.loss_scale, skipped_steps_total=precision.skipped_steps, best_acc1=best_acc1,
             precision=precision.name, mode=ctx.mode, image_size=size, world_size=ctx.world_size,
             **averaged, **decoded).to_dict()
-        steady = Steady(*(a + b for a, b in zip(dataclasses.astuple(steady), train["steady"])))
+        steady = steady.plus(train["steady"])
         epochs_run += 1
         # Checkpoint first: a metrics line never describes an epoch the checkpoint lacks.
         save(epoch + 1, 0, is_best)
@@ -453,7 +453,8 @@ INPUT_BOUND = 0.1  # share of the steady training time spent waiting for input t
 
 def _input_hint(cfg: Config, ctx) -> str:
     """What to try when the loop waits for input."""
-    tips = [f"more data workers (-j, now {cfg.workers}; {os.cpu_count()} CPUs here)"]
+    cpus = os.cpu_count() or 1
+    tips = [f"more data workers (-j, now {cfg.workers}; {cpus} CPUs here)"] if cfg.workers < cpus - 1 else []
     if ctx.device.type == "cuda" and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
             and cfg.auto_augment == "none" and cfg.random_erase == 0:
         tips.append("--decode gpu (JPEG decoding on the GPU)")
@@ -461,6 +462,8 @@ def _input_hint(cfg: Config, ctx) -> str:
         tips.append("--data-pipeline fast")
     if cfg.no_jpeg_draft:
         tips.append("dropping --no-jpeg-draft")
+    if not tips:
+        return f"the {cfg.workers} data workers already have every CPU here: this machine's input rate is the limit"
     return "try " + ", ".join(tips)
 
 
