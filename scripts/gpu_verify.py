@@ -491,7 +491,7 @@ def phase_e2e(args) -> None:
                     rows.append((f"loader-{words[2]}", words[4], words[7].strip("(,;"), "", res))
         if len(rows) == before:
             rows.append((name, f"FAILED (exit {res['rc']})", "", "", res))
-    print(f"\n| row | img/s (median) | spread | data wait | wall s |\n| --- | ---: | --- | ---: | ---: |")
+    print("\n| row | img/s (median) | spread | data wait | wall s |\n| --- | ---: | --- | ---: | ---: |")
     for name, med, spread, wait, res in rows:
         print(f"| {name} | {med} | {spread} | {wait} | {res['seconds']:.0f} |")
     print_commands(results)

@@ -72,3 +72,15 @@ def make_digits(root, train_per_class: int, val_per_class: int, seed: int = 0) -
         counts[split] = sum(written.values())
         start += len(labels)
     return counts
+
+
+def digits_fixture(train_per_class: int, val_per_class: int):
+    """A module-scoped ``digits`` fixture: the folder of :func:`make_digits`, written once per module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def digits(tmp_path_factory):
+        root = tmp_path_factory.mktemp("digits")
+        make_digits(root, train_per_class=train_per_class, val_per_class=val_per_class)
+        return str(root)
+    return digits

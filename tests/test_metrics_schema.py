@@ -4,11 +4,10 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 
 from imagenet.metrics import EPOCH_KEYS, EpochRecord
 from imagenet.runner import main
-from tests.helpers import make_digits
+from tests.helpers import digits_fixture
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -28,11 +27,7 @@ def test_the_readme_table_lists_exactly_the_record_fields():
     assert readme_keys() == set(EPOCH_KEYS)
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    make_digits(root, train_per_class=4, val_per_class=1)
-    return str(root)
+digits = digits_fixture(4, 1)
 
 
 def run(data, out, *extra):

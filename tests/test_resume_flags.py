@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from imagenet.runner import main
-from tests.helpers import make_digits
+from tests.helpers import digits_fixture
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    make_digits(root, train_per_class=4, val_per_class=1)  # 40 images: 5 steps of 8
-    return str(root)
+digits = digits_fixture(4, 1)  # 40 images: 5 steps of 8
 
 
 def argv(data, out, *extra):

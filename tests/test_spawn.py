@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import make_digits
+from tests.helpers import digits_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,11 +26,7 @@ sys.exit(spawn_per_gpu(parse_config(sys.argv[1:]), nprocs=2))
 """
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    make_digits(root, train_per_class=8, val_per_class=2)
-    return str(root)
+digits = digits_fixture(8, 2)
 
 
 def spawn(data, out, *extra):
