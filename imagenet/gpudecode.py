@@ -158,7 +158,7 @@ def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
             warnings.filterwarnings("ignore", message=".*not writable.*")
             datas = [torch.frombuffer(job.data, dtype=torch.uint8) for _, job in jobs]
         try:
-            # torchvision (0.19 on) sends the baseline JPEGs of a list to nvJPEG's hardware backend
+            # torchvision's batched decode sends the baseline JPEGs of a list to nvJPEG's hardware backend
             # where the GPU has JPEG engines (A100 and later), the rest one by one to its hybrid
             # software path, on a stream of its own that it synchronises before returning: this
             # thread waits for the batch's decode, the training stream does not.
