@@ -231,8 +231,8 @@ def plain_torchvision_loader(args, device: torch.device, batches: int):
                         sampler=RandomSampler(train, num_samples=batches * args.batch_size),
                         num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
                         prefetch_factor=PREFETCH if args.workers else None)
-    for images, targets in loader:
-        yield images.to(device, non_blocking=True), targets.to(device, non_blocking=True), []
+    return ((images.to(device, non_blocking=True), targets.to(device, non_blocking=True), [])
+            for images, targets in loader)
 
 
 def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
@@ -271,6 +271,12 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    from imagenet.data import check_layout
+    try:  # one clear line for a wrong folder, whichever pipeline reads it first
+        check_layout(args.dir)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results = {}
     for pipeline in args.pipelines.split(","):
         # Every worker holds up to PREFETCH batches, so the first workers x PREFETCH batches after

@@ -155,6 +155,13 @@ def test_bench_classic_row_is_plain_torchvision(jpeg_folder):
     assert len(ours) == 3
 
 
+@pytest.mark.parametrize("pipeline", ["classic", "fast"])
+def test_bench_data_names_a_wrong_folder_in_one_line(tmp_path, pipeline):
+    r = bench_data(tmp_path / "nowhere", "--pipelines", pipeline)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and "does not exist" in r.stderr
+
+
 def test_bench_data_compares_pipelines_and_can_train_on_every_batch(jpeg_folder):
     """The loader alone (classic vs fast side by side, a ratio line, the last line '... N img/s'),
     then the same loader feeding a training step on every batch, with a profile of the ops."""
