@@ -161,7 +161,8 @@ class SyntheticLoader:
         self.batches = samples // batch if drop_last else -(-samples // batch)
         self.last = batch if drop_last else samples - (self.batches - 1) * batch
         self.images, self.targets = dataset.batch(min(batch, samples) or 1, device, channels_last)
-        self.sampler = self  # the runner's per-epoch calls (set_epoch, set_start) land here
+        self.sampler = self  # the runner's per-epoch calls (set_epoch, set_start) land here;
+        #                      --progressive-resize, its only set_image_size caller, refuses --dummy
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -169,9 +170,6 @@ class SyntheticLoader:
 
     def set_start(self, samples_done: int) -> None:
         self.start = samples_done // self.batch_size
-
-    def set_image_size(self, size: Optional[int]) -> None:
-        raise UserError("--progressive-resize needs image files: --dummy images have one fixed size")
 
     def decode_counts(self) -> dict:
         return {"gpu": 0, "cpu": 0}
