@@ -7,8 +7,11 @@ crop would still be at least the output size, and the image is resized once. The
 uint8 (a quarter of float32's bytes through worker queues, pinned memory and the PCIe copy);
 conversion and normalisation happen on the device (:mod:`imagenet.prefetch`).
 
-Without draft mode the result equals torchvision's RandomResizedCrop/flip (train) or
-Resize/CenterCrop (val) on the same crop parameters, pixel for pixel.
+The resize is torch's uint8 antialiased bilinear kernel, which computes PIL's filter with PIL's
+fixed-point weights at 2-3x PIL's speed (0.39 vs 0.77 ms for a 300x270 crop to 224 px, one
+core of the 2-core machine): without draft mode the result is torchvision's
+RandomResizedCrop/flip (train) or Resize/CenterCrop (val) on the same crop parameters within
+one level, the same in all but a few pixels in a thousand.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
@@ -45,6 +49,15 @@ def _draft(img: Image.Image, max_factor: float) -> float:
 
 def _to_tensor(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.array(img, dtype=np.uint8, copy=True))  # one copy, writable
+
+
+def _resized(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 HWC -> uint8 HWC of (height, width), antialiased bilinear (PIL's filter)."""
+    if tuple(image.shape[:2]) == (height, width):
+        return image
+    x = F.interpolate(image.permute(2, 0, 1)[None], size=(height, width), mode="bilinear", antialias=True,
+                      align_corners=False)
+    return x[0].permute(1, 2, 0).contiguous()
 
 
 def _rgb(img: Image.Image) -> Image.Image:
@@ -79,22 +92,41 @@ class TrainDecoder:
         with Image.open(path) as img:
             return self.decode(img, *self.draw(img))
 
-    def decode(self, img: Image.Image, params: tuple, flip: bool) -> torch.Tensor:
+    def crop(self, img: Image.Image, params: tuple) -> Image.Image:
+        """The RGB region of ``params`` (top, left, height, width in full-resolution pixels), at
+        the smallest DCT scale that keeps it at least ``size`` px on its shorter side."""
         top, left, height, width = params
-        # the crop must keep at least size x size pixels after the reduction
         f = _draft(img, min(width, height) / self.size) if self.draft else 1.0
         w, h = img.size
         box = (min(round(left / f), w - 1), min(round(top / f), h - 1),
                min(max(round((left + width) / f), 1), w), min(max(round((top + height) / f), 1), h))
-        img = _rgb(img).crop(box).resize((self.size, self.size), Image.BILINEAR)
+        return _rgb(img).crop(box)
+
+    def decode(self, img: Image.Image, params: tuple, flip: bool) -> torch.Tensor:
+        out = _resized(_to_tensor(self.crop(img, params)), self.size, self.size)
         if flip:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        if self.augment is not None:
-            img = self.augment(img)
-        out = _to_tensor(img)
+            out = out.flip(1)
+        if self.augment is not None:  # a PIL policy
+            out = _to_tensor(self.augment(Image.fromarray(out.numpy())))
         if self.erase is not None:
             out = self.erase(out.permute(2, 0, 1)).permute(1, 2, 0).contiguous()
         return out
+
+
+class TrainDecoderReader:
+    """Base of the worker-side readers that leave part of the work to the device: they draw
+    crops with a :class:`TrainDecoder` and share its output size (--progressive-resize sets it)."""
+
+    def __init__(self, cpu_decoder: TrainDecoder):
+        self.cpu = cpu_decoder
+
+    @property
+    def size(self) -> int:
+        return self.cpu.size
+
+    @size.setter
+    def size(self, value: int) -> None:
+        self.cpu.size = value
 
 
 class ValDecoder:
@@ -123,5 +155,5 @@ class ValDecoder:
         new_w, new_h, top, left = self.geometry(w, h)
         if self.draft:
             _draft(img, min(w / new_w, h / new_h))
-        img = _rgb(img).resize((new_w, new_h), Image.BILINEAR)
-        return _to_tensor(img.crop((left, top, left + self.size, top + self.size)))
+        out = _resized(_to_tensor(_rgb(img)), new_h, new_w)
+        return out[top:top + self.size, left:left + self.size].contiguous()

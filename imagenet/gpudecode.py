@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from . import gpugeometry
-from .decode import _rgb, _to_tensor
+from .decode import TrainDecoderReader, _rgb, _to_tensor
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
 
@@ -67,19 +67,9 @@ def _read_bytes(path: str) -> bytes:
         return fh.read()
 
 
-class TrainJpegReader:
-    """Worker side of the training transform: path -> JpegJob, or the CPU decoder's image."""
-
-    def __init__(self, cpu_decoder):
-        self.cpu = cpu_decoder  # a decode.TrainDecoder: same crop distribution, same RNG draws
-
-    @property
-    def size(self) -> int:
-        return self.cpu.size
-
-    @size.setter
-    def size(self, value: int) -> None:  # --progressive-resize
-        self.cpu.size = value
+class TrainJpegReader(TrainDecoderReader):
+    """Worker side of the training transform: path -> JpegJob, or the CPU decoder's image (the
+    same crop distribution, the same RNG draws)."""
 
     def __call__(self, path: str):
         with Image.open(path) as img:

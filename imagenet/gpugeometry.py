@@ -1,8 +1,10 @@
-"""``--decode gpu``'s crop, resize and flip for a whole batch in one kernel launch.
+"""Crop, resize and flip a whole batch of decoded images in one kernel launch.
 
-The decoded images (CHW uint8, each its own size) are laid end to end in one flat buffer; one
-small table per batch says, for each image, where it starts, which region of it the output
-samples, at what scale, and whether to flip. One Triton kernel then writes every output pixel
+Used by ``--decode gpu`` (nvJPEG's CHW images) and by ``--decode cpu`` on a GPU (the workers'
+HWC crops, :mod:`imagenet.cropbatch`). The decoded images (uint8, each its own size, CHW or
+HWC) are laid end to end in one flat buffer; one small table per batch says, for each image,
+where it starts, how its pixels are laid out, which region of it the output samples, at what
+scale, and whether to flip. One Triton kernel then writes every output pixel
 of the batch, rounded to uint8 NHWC (channels_last) as the training step takes it: a few
 launches a batch (the concatenation, the table's copy, the kernel) instead of five per image.
 
@@ -29,9 +31,11 @@ try:  # Triton ships with CUDA builds of torch; TRITON_INTERPRET=1 runs the kern
 except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
-# columns of the per-image table (int64)
-SRC, HEIGHT, WIDTH, TOP, LEFT, REGION_H, REGION_W, OFF_Y, OFF_X, FLIP, ROW, TAPS_Y, TAPS_X = range(13)
-COLUMNS = 13
+# columns of the per-image table (int64); PIXEL and CHANNEL are the strides, in bytes, between
+# neighbouring pixels of a row and between colour planes (CHW: 1 and h*w; HWC: 3 and 1)
+(SRC, HEIGHT, WIDTH, TOP, LEFT, REGION_H, REGION_W, OFF_Y, OFF_X, FLIP, ROW, TAPS_Y, TAPS_X, PIXEL,
+ CHANNEL) = range(15)
+COLUMNS = 15
 BLOCK = 256  # output pixels per program
 
 
@@ -75,22 +79,21 @@ def taps(scale: float) -> int:
     return int(math.ceil(2 * max(scale, 1.0))) + 1
 
 
-def table(images: list, samplings: list, flips: list, rows: list) -> tuple:
-    """The kernel's table (int64 [n, COLUMNS]) and scales (float32 [n, 2]) for CHW ``images``
-    laid end to end, on the host, pinned so they go to the device without a host wait."""
-    n = len(images)
-    ints = torch.empty((n, COLUMNS), dtype=torch.int64, pin_memory=torch.cuda.is_available())
-    scales = torch.empty((n, 2), dtype=torch.float32, pin_memory=torch.cuda.is_available())
-    offset, rows_i, rows_f = 0, [], []
-    for img, s, flip, row in zip(images, samplings, flips, rows):
-        _, h, w = img.shape
+def table(shapes: list, samplings: list, flips: list, rows: list, channels_last: bool = False,
+          pin: bool = False) -> tuple:
+    """The kernel's table (int64 [n, COLUMNS]) and scales (float32 [n, 2]) for images of
+    ``shapes`` ((height, width) each) laid end to end, CHW or (``channels_last``) HWC; ``pin``:
+    in pinned memory, so they go to the device without a host wait."""
+    rows_i, rows_f, offset = [], [], 0
+    for (h, w), s, flip, row in zip(shapes, samplings, flips, rows):
+        pixel, channel = (3, 1) if channels_last else (1, h * w)
         rows_i.append([offset, h, w, s.top, s.left, s.region_h, s.region_w, s.off_y, s.off_x, int(flip), row,
-                       taps(s.scale_y), taps(s.scale_x)])
+                       taps(s.scale_y), taps(s.scale_x), pixel, channel])
         rows_f.append([s.scale_y, s.scale_x])
-        offset += img.numel()
-    ints.copy_(torch.tensor(rows_i, dtype=torch.int64))
-    scales.copy_(torch.tensor(rows_f, dtype=torch.float32))
-    return ints, scales
+        offset += 3 * h * w
+    ints = torch.tensor(rows_i, dtype=torch.int64).reshape(-1, COLUMNS)
+    scales = torch.tensor(rows_f, dtype=torch.float32).reshape(-1, 2)
+    return (ints.pin_memory(), scales.pin_memory()) if pin else (ints, scales)
 
 
 def crop_resize_flip(images: list, samplings: list, flips: list, rows: list, out: torch.Tensor) -> torch.Tensor:
@@ -99,12 +102,19 @@ def crop_resize_flip(images: list, samplings: list, flips: list, rows: list, out
     if not images:
         return out
     flat = torch.cat([img.reshape(-1) for img in images])
-    ints, scales = table(images, samplings, flips, rows)
-    ints = ints.to(out.device, non_blocking=True)
-    scales = scales.to(out.device, non_blocking=True)
+    ints, scales = table([img.shape[1:] for img in images], samplings, flips, rows,
+                         pin=out.device.type == "cuda")
+    return launch(flat, ints.to(out.device, non_blocking=True), scales.to(out.device, non_blocking=True), out)
+
+
+def launch(flat: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Run the kernel: every image the table (on ``out``'s device, as :func:`table` makes it)
+    lists, read from ``flat`` (uint8, the images end to end), written into ``out`` (uint8
+    [batch, size, size, 3]); returns ``out``."""
     size = out.shape[1]
-    grid = (len(images), triton.cdiv(size * size, BLOCK))
-    _kernel[grid](flat, ints, scales, out, size, COLUMNS=COLUMNS, BLOCK=BLOCK)
+    if len(ints):
+        grid = (len(ints), triton.cdiv(size * size, BLOCK))
+        _kernel[grid](flat, ints, scales, out, size, COLUMNS=COLUMNS, BLOCK=BLOCK)
     return out
 
 
@@ -131,7 +141,6 @@ if triton is not None:
         x = (pixel % size).to(tl.float32)
         row_ptr = ints + image * COLUMNS
         base = tl.load(row_ptr + 0)
-        height = tl.load(row_ptr + 1)
         width = tl.load(row_ptr + 2)
         top = tl.load(row_ptr + 3)
         left = tl.load(row_ptr + 4)
@@ -143,9 +152,10 @@ if triton is not None:
         row = tl.load(row_ptr + 10)
         taps_y = tl.load(row_ptr + 11)
         taps_x = tl.load(row_ptr + 12)
+        pixel_step = tl.load(row_ptr + 13)
+        plane = tl.load(row_ptr + 14)
         scale_y = tl.load(scales + image * 2)
         scale_x = tl.load(scales + image * 2 + 1)
-        plane = height * width
         # the weights' sums, for the normalisation (separable: the 2-D sum is their product)
         sum_y = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(0, taps_y):
@@ -160,11 +170,11 @@ if triton is not None:
         b = tl.zeros([BLOCK], dtype=tl.float32)
         for ky in range(0, taps_y):
             iy, wy = _axis(y, off_y, scale_y, region_h, ky)
-            line = base + (top + iy) * width + left
+            line = base + ((top + iy) * width + left) * pixel_step
             for kx in range(0, taps_x):
                 ix, wx = _axis(x, off_x, scale_x, region_w, kx)
                 w = wy * wx
-                at = line + ix
+                at = line + ix * pixel_step
                 live = valid & (w > 0)
                 r += w * tl.load(src + at, mask=live, other=0).to(tl.float32)
                 g += w * tl.load(src + at + plane, mask=live, other=0).to(tl.float32)

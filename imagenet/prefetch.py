@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .cropbatch import CropBatch
 from .gpudecode import JpegBatch, decode_batch
 
 
@@ -73,6 +74,8 @@ class DeviceLoader:
                 skipped = skipped + bad
             if targets.numel() == 0:
                 return torch.empty(0), targets, skipped, counts
+        elif isinstance(images, CropBatch):  # --decode cpu's crops, resized and flipped here
+            images = images.to_device(self.device)
         else:
             images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)

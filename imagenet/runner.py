@@ -118,6 +118,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, sou
     logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d%s",
                 source, len(data.train), len(data.val), len(data.classes), cfg.image_size, val.crop, val.resize,
                 f" ({val.source}; --val-resize overrides)" if val.source else "")
+    logger.info("=> input: %s%s", data.pipeline,
+                "" if cfg.dummy else f"; {cfg.workers} worker{'' if cfg.workers == 1 else 's'}")
     logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
@@ -165,7 +167,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         weights = pretrained_weights(cfg.arch, cfg.pretrained) if cfg.pretrained else None
         val_geo = val_geometry(cfg, weights)
         root = _resolve_data_root(cfg)
-        data = build_datasets(cfg, root, val_geo)
+        data = build_datasets(cfg, root, val_geo, ctx.device)
         if cfg.dummy:
             source = "synthetic data (--dummy)"
         else:

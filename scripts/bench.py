@@ -42,8 +42,9 @@ PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
 LAYOUTS = {"contiguous": False, "channels_last": True}  # --layouts name: channels_last
 # classic: the reference script's input exactly (torchvision's ImageFolder and transforms, a plain
 # DataLoader, .to(device)); trainer-classic: main.py --data-pipeline classic; fast: main.py's
-# default; gpu: --decode gpu
-PIPELINES = ("classic", "trainer-classic", "fast", "gpu")
+# default (on a GPU the workers crop and the GPU resizes); fast-worker-resize: the fast pipeline
+# with the resize left in the workers, as main.py runs it without a GPU; gpu: --decode gpu
+PIPELINES = ("classic", "trainer-classic", "fast", "fast-worker-resize", "gpu")
 
 
 def precision_config(name: str, base: Config) -> Config:
@@ -245,7 +246,7 @@ def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
                  decode="gpu" if pipeline == "gpu" else "cpu", image_size=args.image_size,
                  workers=args.workers, batch_size=args.batch_size)
     validate(cfg)
-    data = build_datasets(cfg, args.dir)
+    data = build_datasets(cfg, args.dir, device=None if pipeline == "fast-worker-resize" else device)
     return iter(DeviceLoader(DataLoader(data.train, batch_size=args.batch_size,
                                         sampler=RepeatedShuffle(len(data.train), batches * args.batch_size),
                                         num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
@@ -364,7 +365,8 @@ def main(argv=None) -> int:
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--pipelines", default="classic,fast",
                    help="comma list of classic (the reference script's: plain torchvision), trainer-classic "
-                        "(--data-pipeline classic), fast (the default), gpu (--decode gpu; needs CUDA)")
+                        "(--data-pipeline classic), fast (the default), fast-worker-resize (fast with the resize in "
+                        "the workers, as without a GPU), gpu (--decode gpu; needs CUDA)")
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--image-size", type=int, default=224)
     d.add_argument("--warmup", type=int, default=4,

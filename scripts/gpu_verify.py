@@ -10,6 +10,7 @@
     python scripts/gpu_verify.py recipe     # fp16 recipe plain vs weight average + label smoothing, a plot
     python scripts/gpu_verify.py jpeg       # JPEG input pipelines: classic / CPU decode / GPU decode
     python scripts/gpu_verify.py scaling    # 1/2/4/8 GPUs (as many as visible): DDP vs DP, GPU decode, parity
+    python scripts/gpu_verify.py shrink     # Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -440,9 +441,9 @@ def _epoch_rates(out_dir: str, skip: int) -> tuple:
 def phase_e2e(args) -> None:
     """ResNet-50 --fp16 --channels-last, batch 256, one GPU, side by side in one call (--parts):
     the model step on synthetic data (bench.py train, and main.py --dummy), eager and CUDA
-    graphs; the loader alone (plain torchvision, the fast CPU decode, GPU decode); and training
-    end to end from the JPEG folder with GPU decode (eager, CUDA graphs), CPU decode, and the
-    trainer's classic pipeline. Every rate is a median over windows (bench.py) or epochs after
+    graphs (--e2e-modes); the loader alone (plain torchvision, the fast CPU decode with the
+    resize on the GPU and in the workers, GPU decode); and training end to end from the JPEG
+    folder with GPU decode and CPU decode (eager, CUDA graphs) and the trainer's classic pipeline. Every rate is a median over windows (bench.py) or epochs after
     the first (main.py), with the spread; main.py's epochs leave out their first 10 steps."""
     parts = args.parts.split(",")
     g0 = {"CUDA_VISIBLE_DEVICES": "0"}
@@ -453,27 +454,45 @@ def phase_e2e(args) -> None:
     dummy = (f"main.py --dummy {model} --epochs 3 --dummy-train-size {256 * 60} --dummy-val-size 2560 -p 100 "
              "--output-dir OUT")
     runs = []  # (name, kind, cmd)
+    modes = args.e2e_modes.split(",")
+    if set(modes) - {"eager", "cuda-graphs"}:
+        fail(f"--e2e-modes: {args.e2e_modes!r}; choose from eager,cuda-graphs")
     for mode in ("off", "reduce-overhead"):
         label = "eager" if mode == "off" else "cuda-graphs"
+        if label not in modes:
+            continue
         if "synthetic" in parts:
-            runs.append((f"synthetic-bench-{label}", "bench", f"{PY} {bench} --compile {mode}"))
+            runs.append((f"synthetic-bench-{label}", "bench", f"timeout {args.e2e_timeout} {PY} {bench} --compile {mode}"))
         if "dummy" in parts:
-            runs.append((f"synthetic-main-{label}", "main", f"{PY} {dummy} --compile {mode}"))
+            runs.append((f"synthetic-main-{label}", "main", f"timeout {args.e2e_timeout} {PY} {dummy} --compile {mode}"))
     if "loader" in parts:
-        runs.append(("loader-alone", "loader", f"{PY} scripts/bench.py data {JPEG_DIR} --workers {w} --batch-size 256 "
-                                              f"--windows {args.data_windows} --pipelines classic,fast,gpu"))
+        runs.append(("loader-alone", "loader", f"timeout {args.e2e_timeout} {PY} scripts/bench.py data {JPEG_DIR} "
+                                              f"--workers {w} --batch-size 256 --windows {args.data_windows} "
+                                              "--pipelines classic,fast,fast-worker-resize,gpu"))
     if "jpeg" in parts:
         e2e = f"main.py {JPEG_DIR} {model} -j {w} --epochs {args.e2e_epochs} -p 50 --output-dir OUT"
         for name, extra in (("jpeg-gpu-decode-eager", "--decode gpu"),
                             ("jpeg-gpu-decode-cuda-graphs", "--decode gpu --compile reduce-overhead"),
                             ("jpeg-cpu-decode-eager", "--decode cpu"),
+                            ("jpeg-cpu-decode-cuda-graphs", "--decode cpu --compile reduce-overhead"),
                             ("jpeg-trainer-classic-eager", "--data-pipeline classic")):
-            runs.append((name, "main", f"{PY} {e2e} {extra}"))
+            if any(part and part in name for part in args.e2e_skip.split(",")) or \
+                    ("cuda-graphs" if "cuda-graphs" in name else "eager") not in modes:
+                continue
+            runs.append((name, "main", f"timeout {args.e2e_timeout} {PY} {e2e} {extra}"))
     if "loader" in parts or "jpeg" in parts:
         ensure_jpeg(args)
     rows, results = [], []
+    engines = []  # nvidia-smi's hardware JPEG decoder utilisation while each GPU-decode row ran
     for name, kind, cmd in runs:
+        dmon = None
+        if kind == "loader" or "gpu-decode" in name:
+            dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None
         res = run_group([{"name": name, "cmd": cmd, "env": g0}], args)[0]
+        if dmon is not None:
+            dmon.terminate()
+            engines.append((name, jpeg_engine_use(dmon.communicate()[0])))
         results.append(res)
         before = len(rows)
         out = os.path.join(args.out, name)
@@ -491,10 +510,35 @@ def phase_e2e(args) -> None:
                     rows.append((f"loader-{words[2]}", words[4], words[7].strip("(,;"), "", res))
         if len(rows) == before:
             rows.append((name, f"FAILED (exit {res['rc']})", "", "", res))
-    print("\n| row | img/s (median) | spread | data wait | wall s |\n| --- | ---: | --- | ---: | ---: |")
+    synthetic = {}  # the model step's rate per mode, for the end-to-end rows' share of it
+    for name, med, *_ in rows:
+        if name.startswith("synthetic-bench-") and med.isdigit():
+            synthetic["graphs" if name.endswith("cuda-graphs") else "eager"] = float(med)
+    print("\n| row | img/s (median) | spread | data wait | vs synthetic step, same mode | wall s |\n"
+          "| --- | ---: | --- | ---: | ---: | ---: |")
     for name, med, spread, wait, res in rows:
-        print(f"| {name} | {med} | {spread} | {wait} | {res['seconds']:.0f} |")
+        mode = "graphs" if "cuda-graphs" in name else "eager"
+        ratio = (f"{100 * float(med) / synthetic[mode]:.1f}%" if name.startswith("jpeg-") and mode in synthetic
+                 and med.isdigit() else "")
+        print(f"| {name} | {med} | {spread} | {wait} | {ratio} | {res['seconds']:.0f} |")
+    for name, use in engines:
+        print(f"hardware JPEG engines during {name}: {use}")
     print_commands(results)
+
+
+def jpeg_engine_use(dmon: str) -> str:
+    """The ``jpg`` column of ``nvidia-smi dmon -s u`` (percent busy, one sample a second):
+    whether nvJPEG ran on the GPU's hardware JPEG decoders."""
+    header = next((line.lstrip("#").split() for line in dmon.splitlines() if line.startswith("#") and "jpg" in line), None)
+    if header is None:
+        return "not reported (no jpg column in nvidia-smi dmon)"
+    col = header.index("jpg")
+    values = [int(parts[col]) for parts in (line.split() for line in dmon.splitlines() if not line.startswith("#"))
+              if len(parts) > col and parts[col].isdigit()]
+    if not values:
+        return "no samples"
+    busy = sorted(values)
+    return f"busy {busy[len(busy) // 2]}% median, {busy[-1]}% peak over {len(values)} s"
 
 
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
@@ -533,6 +577,111 @@ def phase_recipe(args) -> None:
     sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
        f"{' vs '.join(names)}'", os.path.join(args.out, "plot.log"))
     print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
+
+
+SHRINK_PIPELINES = {"classic": "--data-pipeline classic", "cpu": "--decode cpu", "gpu": "--decode gpu"}
+
+
+def ensure_fashion_jpeg(args) -> str:
+    """Fashion-MNIST stored as --shrink-store px RGB JPEGs (a real set stored larger than it trains)."""
+    root = f"/tmp/fashion-mnist-jpeg{args.shrink_store}"
+    if os.path.isdir(os.path.join(root, "train")):
+        return root
+    cmd = (f"{PY} scripts/prepare_dataset.py fashion-mnist --src {args.idx_dir} --out {root} --format jpeg "
+           f"--size {args.shrink_store} -q")
+    print("$", cmd, flush=True)
+    t0 = time.time()
+    if sh(cmd, os.path.join(args.out, "prepare-jpeg.log")).returncode:
+        fail("exporting Fashion-MNIST as JPEGs failed:\n" + tail(os.path.join(args.out, "prepare-jpeg.log"), 20))
+    print(f"  exported in {time.time() - t0:.0f} s", flush=True)
+    return root
+
+
+def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> None:
+    """The same seeded crops and flips of ``n`` training images through each pipeline, against
+    torchvision's classic transforms (PIL decode, PIL resize): how far each departs, whether it
+    is brighter or darker, and how sharp it is (mean absolute difference of neighbouring pixels,
+    relative to classic's). The decoders alone too: nvJPEG's full image vs PIL's."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision import datasets, transforms
+
+    sys.path.insert(0, REPO)
+    from imagenet.cropbatch import CropBatch, TrainCropReader
+    from imagenet.decode import TrainDecoder
+    from imagenet.gpudecode import JpegBatch, TrainJpegReader, decode_batch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: TRITON_INTERPRET=1
+    paths = [p for p, _ in datasets.ImageFolder(os.path.join(root, "train")).samples[::50][:n]]
+    classic = transforms.Compose([transforms.RandomResizedCrop(size, scale=(min_scale, 1.0)),
+                                  transforms.RandomHorizontalFlip(0.5)])
+    make = lambda: TrainDecoder(size, min_scale, 0.5)  # noqa: E731
+
+    def seeded(fn):
+        out = []
+        for k, path in enumerate(paths):
+            torch.default_generator.manual_seed(1000 + k)
+            out.append(fn(path))
+        return out
+
+    ref = torch.stack(seeded(lambda p: torch.from_numpy(np.asarray(classic(Image.open(p).convert("RGB"))).copy())))
+    worker = torch.stack(seeded(make()))
+    crops = CropBatch.collate(seeded(TrainCropReader(make()))).to_device(device).cpu()
+    gpu_items = seeded(TrainJpegReader(make()))
+    gpu = decode_batch(JpegBatch(gpu_items), device)[0].cpu()
+    full_pil = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths[:256]]
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+    full_nv = [img.permute(1, 2, 0).cpu() for img in
+               decode_jpeg([read_file(p) for p in paths[:256]], mode=ImageReadMode.RGB, device=device)]
+
+    def sharp(x):
+        x = x.float()
+        return float((x[:, 1:] - x[:, :-1]).abs().mean() + (x[:, :, 1:] - x[:, :, :-1]).abs().mean())
+
+    print(f"\npixels: {len(paths)} training images of {root}, {size} px crops (scale {min_scale}..1), "
+          "the same seeds in every pipeline, against torchvision's classic transforms")
+    print("| pipeline | mean abs diff | mean diff (brightness) | pixels > 1 level off | sharpness vs classic |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    base = sharp(ref)
+    for name, x in (("classic (PIL decode, PIL resize)", ref), ("fast, worker resize (CPU-only machines)", worker),
+                    ("--decode cpu (PIL decode, GPU kernel resize)", crops), ("--decode gpu (nvJPEG, GPU kernel)", gpu)):
+        d = x.int() - ref.int()
+        print(f"| {name} | {d.abs().float().mean():.3f} | {d.float().mean():+.3f} | "
+              f"{(d.abs() > 1).float().mean():.4f} | {sharp(x) / base:.4f} |")
+    d = torch.cat([(a.int() - b.int()).reshape(-1) for a, b in zip(full_nv, full_pil)])
+    print(f"| decoders alone, nvJPEG vs PIL, {len(full_pil)} whole images | {d.abs().float().mean():.3f} | "
+          f"{d.float().mean():+.3f} | {(d.abs() > 1).float().mean():.4f} | |", flush=True)
+
+
+def phase_shrink(args) -> None:
+    """Accuracy when images are shrunk: Fashion-MNIST stored as --shrink-store px JPEGs, the
+    Fashion recipe trained at --shrink-size px for --shrink-epochs, --fp16 --channels-last, each input pipeline x
+    --seeds, --shrink-concurrent runs at once on the GPU (accuracy only); first, the pixels each
+    pipeline makes from the same seeds."""
+    root = ensure_fashion_jpeg(args)
+    size = args.shrink_size
+    pixel_comparison(root, size, 0.6)
+    base = (f"{PY} main.py {root} --config configs/fashion-mnist.yaml --image-size {size} --val-resize {size} "
+            f"--epochs {args.shrink_epochs} --fp16 --channels-last -j {args.workers} --output-dir OUT")
+    names = args.shrink_pipelines.split(",")
+    unknown = set(names) - set(SHRINK_PIPELINES)
+    if unknown:
+        fail(f"--shrink-pipelines: unknown {sorted(unknown)}; choose from {','.join(SHRINK_PIPELINES)}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    runs = [{"name": f"shrink-{name}-s{seed}", "cmd": f"timeout {args.shrink_timeout} {base} "
+             f"{SHRINK_PIPELINES[name]} --seed {seed}", "env": {"CUDA_VISIBLE_DEVICES": "0"}}
+            for seed in seeds for name in names]
+    results = []
+    for i in range(0, len(runs), args.shrink_concurrent):
+        results += run_group(runs[i:i + args.shrink_concurrent], args)
+    table(results, runs[0]["name"])
+    print("\n| pipeline | final Acc@1 per seed | mean | spread |\n| --- | --- | ---: | ---: |")
+    for name in names:
+        accs = [r["acc1"] for r in results if r["name"].rsplit("-s", 1)[0] == f"shrink-{name}" and r["acc1"] is not None]
+        if accs:
+            print(f"| {name} | {' / '.join(f'{a:.2f}' for a in accs)} | {sum(accs) / len(accs):.2f} | "
+                  f"{max(accs) - min(accs):.2f} |")
 
 
 def visible_gpus() -> int:
@@ -587,7 +736,8 @@ def phase_scaling(args) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling"))
+    p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling",
+                                     "shrink"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -614,10 +764,20 @@ def main() -> int:
     p.add_argument("--lr", default=".01",
                    help="precision/multigpu/recipe: the learning rate (.01: the report's command line; "
                         "configs/fashion-mnist.yaml's own is 0.05 with 12 epochs)")
-    p.add_argument("--seeds", default="0", help="recipe: seeds to run each variant with, e.g. 0,1,2")
+    p.add_argument("--seeds", default="0", help="recipe, shrink: seeds to run each variant with, e.g. 0,1,2")
+    p.add_argument("--shrink-store", type=int, default=112, help="shrink: px the JPEGs are stored at")
+    p.add_argument("--shrink-size", type=int, default=56, help="shrink: px they are trained and validated at")
+    p.add_argument("--shrink-pipelines", default="classic,cpu,gpu", help=f"shrink: of {','.join(SHRINK_PIPELINES)}")
+    p.add_argument("--shrink-epochs", type=int, default=6, help="shrink: epochs of each run (the recipe's own: 12)")
+    p.add_argument("--shrink-concurrent", type=int, default=3, help="shrink: runs at once on the one GPU")
+    p.add_argument("--shrink-timeout", type=int, default=400, help="shrink: seconds a run may take")
     p.add_argument("--variants", default="plain,ema-ls",
                    help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing)")
     p.add_argument("--e2e-epochs", type=int, default=4, help="e2e: epochs of each JPEG run (the first is left out)")
+    p.add_argument("--e2e-modes", default="eager,cuda-graphs",
+                   help="e2e: the step modes of the synthetic and JPEG rows (one call each fits the 10-minute limit)")
+    p.add_argument("--e2e-timeout", type=int, default=240, help="e2e: seconds one row may take")
+    p.add_argument("--e2e-skip", default="", help="e2e: JPEG rows to leave out, by part of their name, e.g. cuda-graphs,classic")
     p.add_argument("--parts", default="synthetic,dummy,loader,jpeg",
                    help="e2e: comma list of synthetic (bench.py train), dummy (main.py --dummy), loader, jpeg")
     p.add_argument("--compile-modes", default="off,default,reduce-overhead,max-autotune",
@@ -627,7 +787,7 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
-     "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling}[args.phase](args)
+     "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink}[args.phase](args)
     return 0
 
 

@@ -6,7 +6,8 @@
     python scripts/prepare_dataset.py idx --train-images F --train-labels F \\
         --test-images F --test-labels F --out DIR [--classes fashion|digits]
 
-Add ``--limit-per-class N`` for a tiny tree, ``--force`` to replace an earlier export in OUT.
+Add ``--limit-per-class N`` for a tiny tree, ``--force`` to replace an earlier export in OUT,
+``--format jpeg --size 112`` to store RGB JPEGs of 112 px (a set stored larger than it trains).
 """
 
 import os
@@ -36,6 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--limit-per-class", type=int, default=None, metavar="N",
                         help="keep only the first N images of each class per split (tiny test trees)")
     common.add_argument("-q", "--quiet", action="store_true", help="only print errors and the summary")
+    common.add_argument("--format", choices=("png", "jpeg"), default="png", dest="file_format",
+                        help="png: greyscale at the images' own size (default); jpeg: RGB JPEGs, like ImageNet's")
+    common.add_argument("--size", type=int, default=None, metavar="PX",
+                        help="store every image at PX x PX (bicubic), e.g. 112 for a set stored larger than it trains")
+    common.add_argument("--quality", type=int, default=90, help="JPEG quality with --format jpeg (default 90)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{idx,fashion-mnist,mnist5k}")
 
     p = sub.add_parser("idx", parents=[common], help="any IDX dataset (MNIST format): train -> train/, test -> val/")
@@ -107,12 +113,20 @@ def main(argv=None) -> int:
             csv = args.csv if args.csv is not None else prepare.find_mnist5k_csv()
             if not Path(csv).is_file():
                 raise UserError(f"--csv {csv}: no such file")
+        if args.size is not None and args.size < 1:
+            raise UserError(f"--size must be at least 1 px, got {args.size}")
+        if not 1 <= args.quality <= 100:
+            raise UserError(f"--quality must be 1..100 (JPEG quality), got {args.quality}")
+        if args.file_format == "png" and args.quality != 90:
+            raise UserError("--quality applies to JPEGs only: add --format jpeg or drop --quality")
+        fmt = prepare.FileFormat(args.file_format, args.size, args.quality)
         prepare_out_dir(args.out, args.force)
         if args.command == "mnist5k":
-            counts, n_classes = prepare.export_mnist5k(args.out, csv, args.limit_per_class), len(prepare.DIGIT_CLASSES)
+            counts = prepare.export_mnist5k(args.out, csv, args.limit_per_class, fmt)
+            n_classes = len(prepare.DIGIT_CLASSES)
         else:
             counts = prepare.prepare_idx_dataset(**files, out_dir=args.out, class_names=classes,
-                                                 limit_per_class=args.limit_per_class)
+                                                 limit_per_class=args.limit_per_class, fmt=fmt)
             n_classes = len(classes)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

