@@ -6,6 +6,7 @@ mode beyond the reductions of :mod:`distributed`. Device values are read only at
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -96,6 +97,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     completed, done = True, start_step
     rate = SteadyRate(ctx.device, warm_steps=min(WARM_STEPS, (n - start_step) // accum // 5))
     start = end = time.perf_counter()
+    rate.asking()
     for i, (images, targets, bad) in enumerate(loader, start=start_step):
         if i >= n:
             break
@@ -142,6 +144,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             rate.stepped(steps)
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
+        rate.asking()
         if bar is not None:
             bar.update(1)
         if i % opts.print_freq == 0 or i == n - 1:
@@ -202,25 +205,53 @@ class SteadyRate:
     """Times the training loop after its first ``warm_steps`` optimizer steps.
 
     The clock starts and stops after waiting for the device (twice an epoch, never per step), so
-    the span holds exactly the steps' device work; the input wait is the host time spent in the
-    loader, which under a full device queue is ~0 and for an input-bound loop the device's idle time.
+    the span holds exactly the steps' device work. The input wait is the time the device sat idle
+    for want of the next batch: on a GPU, between an event recorded when the loop asks the loader
+    for a batch (it completes when the previous step's work is done) and one recorded once the
+    batch is there (after the waits for its copy or decode on the input streams). The host's own
+    wait would overstate it wherever the device is still busy with queued work (CUDA graphs
+    leave the host idle most of each step). The events are read once done, never waited for.
+    On a CPU the device is the host: its wait for the loader.
     """
 
     def __init__(self, device: torch.device, warm_steps: int):
         self.device, self.warm = device, warm_steps
         self.totals = Steady()
+        self.cuda = device.type == "cuda"
+        self.asked: Optional[torch.cuda.Event] = None  # recorded when the loop asked for the batch
+        self.gaps: collections.deque = collections.deque()  # (asked, arrived) events not yet read
         self.started: Optional[float] = self._sync() if warm_steps == 0 else None
 
     def _sync(self) -> float:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _event(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def asking(self) -> None:
+        """The loop is about to ask the loader for its next batch."""
+        if self.cuda and self.started is not None:
+            self.asked = self._event()
+
     def add(self, images: int, waited: float) -> None:
-        """A batch of ``images`` arrived after ``waited`` seconds."""
-        if self.started is not None:
-            self.totals.images += images
+        """A batch of ``images`` arrived after ``waited`` seconds (host time)."""
+        if self.started is None:
+            return
+        self.totals.images += images
+        if not self.cuda:
             self.totals.waited += waited
+        elif self.asked is not None:
+            self.gaps.append((self.asked, self._event()))
+            self.asked = None
+            while self.gaps and self.gaps[0][1].query():  # read the ones already done; never wait
+                self._read(*self.gaps.popleft())
+
+    def _read(self, asked, arrived) -> None:
+        self.totals.waited += asked.elapsed_time(arrived) / 1000.0
 
     def stepped(self, steps: int) -> None:
         if steps == self.warm and self.started is None:
@@ -230,6 +261,8 @@ class SteadyRate:
         if self.started is None:  # an epoch (or a resumed remainder) shorter than the warm-up
             return self.totals
         self.totals.seconds = self._sync() - self.started
+        while self.gaps:
+            self._read(*self.gaps.popleft())
         return self.totals
 
 

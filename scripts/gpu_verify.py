@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ def run_group(runs: list, args) -> list:
         res = {"name": r["name"], "cmd": cmd, "env": r.get("env", {}), "rc": rc, "seconds": time.time() - t0,
                "acc1": rows[-1]["val_acc1"] if rows else None, "best": max((x["val_acc1"] for x in rows), default=None),
                "val_samples": rows[-1]["val_samples"] if rows else None,
-               "img_per_s": sorted(x["img_per_s"] for x in rows)[len(rows) // 2] if rows else None,
+               "img_per_s": statistics.median(x["img_per_s"] for x in rows) if rows else None,
                "skipped_steps": rows[-1].get("skipped_steps_total") if rows else None,
                "loss_scale": rows[-1].get("loss_scale") if rows else None, "epochs": len(rows)}
         if rc:
@@ -435,7 +436,7 @@ def _epoch_rates(out_dir: str, skip: int) -> tuple:
         return None
     rates = sorted(r["img_per_s"] for r in rows)
     waits = sorted(r.get("data_wait_frac", float("nan")) for r in rows)
-    return rates[len(rates) // 2], rates[0], rates[-1], waits[len(waits) // 2]
+    return statistics.median(rates), rates[0], rates[-1], statistics.median(waits)
 
 
 def phase_e2e(args) -> None:

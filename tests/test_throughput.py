@@ -19,10 +19,10 @@ CPU = DistContext("cpu", torch.device("cpu"), "test")
 class SlowLoader:
     """``n`` batches of 4 tiny images; batch i arrives after ``delay(i)`` seconds."""
 
-    def __init__(self, n, delay):
+    def __init__(self, n, delay, device="cpu"):
         g = torch.Generator().manual_seed(0)
-        self.batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g), [])
-                        for _ in range(n)]
+        self.batches = [(torch.randn(4, 3, 8, 8, generator=g).to(device),
+                         torch.randint(0, 5, (4,), generator=g).to(device), []) for _ in range(n)]
         self.delay = delay
 
     def __len__(self):
@@ -34,16 +34,49 @@ class SlowLoader:
             yield batch
 
 
-def epoch(loader):
+class Busy(nn.Module):
+    """A tiny classifier that keeps the GPU busy ``matmuls`` 4096^2 products a step (about 2-3 ms
+    each on an H200), queued in a few microseconds: the device's time, not the host's."""
+
+    def __init__(self, matmuls: int):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 5))
+        self.matmuls = matmuls
+        self.register_buffer("a", torch.randn(4096, 4096) / 64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for _ in range(self.matmuls):
+                torch.mm(self.a, self.a)
+        return self.head(x)
+
+
+def epoch(loader, model=None, ctx=CPU):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 5))
-    opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
+    model = model or nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                   nn.Linear(8, 5))
+    model.to(ctx.device)
+    opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", ctx.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     start = time.perf_counter()
-    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
+    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), ctx, 0,
                           LoopOptions(print_freq=1000, input_shape=(3, 8, 8)))
     return out, time.perf_counter() - start
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_wait_is_the_devices_idle_time_not_the_hosts():
+    """The host waits 10 ms a batch either way. While the GPU still works through ~30 ms of
+    queued steps that wait costs nothing (the host's own wait would say a quarter of the time);
+    with 80 ms a batch the GPU idles most of each step."""
+    gpu = DistContext("gpu", torch.device("cuda"), "test")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    busy = Busy(12)
+    out, _ = epoch(SlowLoader(40, lambda i: 0.01, device="cuda"), busy, gpu)
+    images, seconds, waited = out["steady"]
+    assert out["data_wait_frac"] < 0.05 and seconds / 30 > 0.02, (out["data_wait_frac"], seconds)
+    slow, _ = epoch(SlowLoader(40, lambda i: 0.08, device="cuda"), busy, gpu)
+    assert slow["data_wait_frac"] > 0.4, slow["data_wait_frac"]
 
 
 def test_img_per_s_leaves_out_the_first_steps():
