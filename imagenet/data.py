@@ -26,7 +26,7 @@ from .decode import TrainDecoder, TrainDecoderReader, ValDecoder, path_identity
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .config import DEFAULT_VAL_RESIZE
 from .errors import UserError
-from .prefetch import DeviceLoader
+from .prefetch import DeviceLoader, Normalize, is_uint8_batch
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,24 @@ def collate_skipping(batch: Sequence) -> tuple:
         images = torch.stack([g[0] for g in good])
     targets = torch.tensor([g[1] for g in good], dtype=torch.long)
     return images, targets, skipped
+
+
+class CollateNormalized:
+    """:func:`collate_skipping`, then the fast pipeline's uint8 batch normalised to float, in the
+    worker. Training on a CPU, the device is the host: the conversion would otherwise run in the
+    training process, beside the workers, on the same cores."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]):
+        self.normalize = Normalize(mean, std)
+
+    def __call__(self, batch: Sequence) -> tuple:
+        images, targets, skipped = collate_skipping(batch)
+        return (self.normalize(images) if is_uint8_batch(images) else images), targets, skipped
+
+
+def collate_for(device: torch.device):
+    """The collate function of loaders feeding ``device``."""
+    return CollateNormalized(IMAGENET_MEAN, IMAGENET_STD) if device.type == "cpu" else collate_skipping
 
 
 class SeededSampler(Sampler):
@@ -431,7 +449,7 @@ def per_process_batch(batch_size: int, ctx) -> int:
     return batch_size
 
 
-def micro_batch(cfg, ctx) -> int:
+def micro_batch_size(cfg, ctx) -> int:
     """Images per forward pass in one process: the process's share of ``-b``, split over
     ``--accum-steps`` gradient-accumulation passes."""
     per_process = per_process_batch(cfg.batch_size, ctx)
@@ -447,7 +465,7 @@ def micro_batch(cfg, ctx) -> int:
 def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     """(train_loader, val_loader) yielding device-ready batches; ``train_loader.sampler.set_epoch``
     reshuffles per epoch."""
-    batch = micro_batch(cfg, ctx)
+    batch = micro_batch_size(cfg, ctx)
     n_train = len(data.train)
     # One shuffling scheme for every mode (a single process is a world of one), so a DDP run's
     # global batches hold the same images as a single-process run with the same seed.
@@ -466,7 +484,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
                                 **per_rank))
     train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
-                  collate_fn=collate_skipping, persistent_workers=cfg.workers > 0,
+                  collate_fn=collate_for(ctx.device), persistent_workers=cfg.workers > 0,
                   worker_init_fn=worker_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.

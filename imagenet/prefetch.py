@@ -1,7 +1,8 @@
 """Batches onto the device: copied one batch ahead on a side stream, normalised there.
 
 Loaders yield ``(images, targets, skipped_paths)``. uint8 NHWC images (the fast decode path)
-are converted to float and normalised on the device; the NHWC layout is already channels_last
+are converted to float and normalised on the device (where the device is the CPU, the workers
+do it instead: :class:`imagenet.data.CollateNormalized`); the NHWC layout is already channels_last
 memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
 synthetic data) pass through, laid out as asked.
 
@@ -24,6 +25,24 @@ from .cropbatch import CropBatch
 from .gpudecode import JpegBatch, decode_batch
 
 
+class Normalize:
+    """uint8 NHWC images -> float NCHW (channels_last memory), ``(x / 255 - mean) / std``, on
+    ``device``: one fused multiply-add per element, in place."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device = torch.device("cpu")):
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(device)
+        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
+        return x.mul_(self.scale).add_(self.shift)  # in place: no third full-size tensor
+
+
+def is_uint8_batch(images) -> bool:
+    return isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.dim() == 4
+
+
 class DeviceLoader:
     """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
 
@@ -34,10 +53,7 @@ class DeviceLoader:
         self.depth = depth
         self.device = device
         self.channels_last = channels_last
-        # (x / 255 - mean) / std == x * scale + shift, one fused multiply-add per element
-        std_t = torch.tensor(std, dtype=torch.float32)
-        self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(device)
-        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
+        self.normalize = Normalize(mean, std, device)
         self._counts = {"gpu": 0, "cpu": 0}
 
     def __len__(self) -> int:
@@ -48,12 +64,11 @@ class DeviceLoader:
         return self.loader.sampler
 
     def _convert(self, images: torch.Tensor) -> torch.Tensor:
-        if images.dtype == torch.uint8 and images.dim() == 4:
-            x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
-            x = x.mul_(self.scale).add_(self.shift)  # in place: no third full-size tensor
-            return x if self.channels_last else x.contiguous()
-        if self.channels_last and images.dim() == 4:
-            return images.contiguous(memory_format=torch.channels_last)
+        if is_uint8_batch(images):
+            images = self.normalize(images)
+        if images.dim() == 4:  # a no-op where the layout already is the one asked for
+            return images.contiguous(memory_format=torch.channels_last if self.channels_last
+                                     else torch.contiguous_format)
         return images
 
     def decode_counts(self) -> dict:

@@ -240,7 +240,7 @@ def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
     """The trainer's own loader for ``pipeline`` (as main.py builds it), over ``batches`` batches."""
     from torch.utils.data import DataLoader
 
-    from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, collate_skipping
+    from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, build_datasets, collate_for
     from imagenet.prefetch import DeviceLoader
     cfg = Config(data=args.dir, data_pipeline="classic" if pipeline == "trainer-classic" else "fast",
                  decode="gpu" if pipeline == "gpu" else "cpu", image_size=args.image_size,
@@ -249,7 +249,7 @@ def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
     data = build_datasets(cfg, args.dir, device=None if pipeline == "fast-worker-resize" else device)
     return iter(DeviceLoader(DataLoader(data.train, batch_size=args.batch_size,
                                         sampler=RepeatedShuffle(len(data.train), batches * args.batch_size),
-                                        num_workers=args.workers, collate_fn=collate_skipping, drop_last=True,
+                                        num_workers=args.workers, collate_fn=collate_for(device), drop_last=True,
                                         pin_memory=device.type == "cuda", persistent_workers=False,
                                         prefetch_factor=PREFETCH if args.workers else None),
                              device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu"))
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
         print(f"\n{args.arch}, global batch {args.batch_size}, {ctx.describe()}; "
               f"{flops / 1e9:.1f} GFLOP/img (fwd+bwd); bf16 matmul ceiling {ceiling:.0f} TFLOP/s per GPU; "
               f"compile {args.compile}, optimizer {args.optimizer_impl}")
-        print(f"| precision | layout | img/s (median) | spread (min..max) | peak GiB | MFU |")
+        print("| precision | layout | img/s (median) | spread (min..max) | peak GiB | MFU |")
         print("| --- | --- | ---: | --- | ---: | ---: |")
         for r in rows:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"

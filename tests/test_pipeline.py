@@ -87,6 +87,25 @@ def test_device_loader_normalises_like_to_tensor_and_normalize(photo):
         assert targets.tolist() == [1, 2] and skipped == []
 
 
+def test_on_a_cpu_the_workers_normalise_and_the_training_process_only_passes_batches_on(photo):
+    """Training on a CPU, the collate in the workers makes the float batch; what reaches the loop
+    is what the device-side conversion of the uint8 batch gives, bit for bit."""
+    from imagenet.data import CollateNormalized, collate_for
+    img = ValDecoder(32, 40, draft=False)(photo)
+    batch = [(img, 1, None), (img.flip(1).contiguous(), 2, None), (None, 0, "bad.JPEG")]
+    collate = collate_for(torch.device("cpu"))
+    assert isinstance(collate, CollateNormalized) and collate_for(torch.device("cuda")) is collate_skipping
+    images, targets, skipped = collate(batch)
+    assert images.dtype == torch.float32 and images.shape == (2, 3, 32, 32) and skipped == ["bad.JPEG"]
+    want, = list(DeviceLoader([collate_skipping(batch)], torch.device("cpu"), True, IMAGENET_MEAN, IMAGENET_STD))
+    for channels_last in (False, True):
+        got, = list(DeviceLoader([collate(batch)], torch.device("cpu"), channels_last, IMAGENET_MEAN, IMAGENET_STD))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], targets)
+        assert got[0].is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    loader = DataLoader([(img, 1, None)] * 4, batch_size=2, num_workers=1, collate_fn=collate)
+    assert all(b[0].dtype == torch.float32 for b in loader)  # through a worker process (pickled)
+
+
 class _Numbered(torch.utils.data.Dataset):
     def __len__(self):
         return 37
