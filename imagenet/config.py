@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import yaml

@@ -1,7 +1,9 @@
 """The training and validation loops: plain functions that take what they use and return dicts.
 
-The loops never branch on precision (the :mod:`precision` object hides it) nor on the launch
-mode beyond the reductions of :mod:`distributed`. Device values are read only at print time.
+The loops never branch on precision (the :mod:`precision` object hides it). On the launch mode
+they branch only where DDP needs it: the reductions of :mod:`distributed`, ``no_sync`` for
+accumulated micro-batches, a zero-weight stand-in batch where a rank's batch is empty, and the
+rate summed over ranks. Device values are read only at print time.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer
 
 @dataclass
 class LoopOptions:
-    """How a loop reports; none of this changes what is computed."""
+    """How a loop runs and reports: print frequency and progress display (which change nothing
+    computed), the --prof step limit, the non-finite-loss limit, the stand-in batch's shape, and
+    the gradient-accumulation count."""
 
     print_freq: int = 10
     progress: str = "lines"  # bar | lines

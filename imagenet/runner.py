@@ -24,7 +24,7 @@ import torch.nn as nn
 from . import checkpoint as ckpt_io
 from . import distributed, optim
 from .config import Config, parse_config
-from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image_size_at, micro_batch,
+from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image_size_at, micro_batch_size,
                    per_process_batch, val_geometry)
 from .engine import LoopOptions, Steady, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
@@ -135,7 +135,7 @@ def _banner(cfg: Config, ctx, data: DataBundle, model: nn.Module, precision, sou
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
-                    "optimizer step", cfg.accum_steps, micro_batch(cfg, ctx))
+                    "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
 
 
 def run(cfg: Config) -> dict:
@@ -352,7 +352,7 @@ def _train(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, tr
 def _epochs(cfg, ctx, data, model, precision, optimizer, scheduler, criterion, train_loader, val_loader, opts,
             start_epoch: int, best_acc1: float, start_step: int, stop: StopRequest, ema, mixer, board,
             start_sums) -> dict:
-    per_process = micro_batch(cfg, ctx)  # images per loader batch in this process
+    per_process = micro_batch_size(cfg, ctx)  # images per loader batch in this process
     train_criterion = nn.CrossEntropyLoss().to(ctx.device) if mixer is not None else criterion
 
     def save(epoch: int, step: int, is_best: bool = False, partial: Optional[list] = None) -> None:

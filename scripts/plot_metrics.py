@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 EXIT_USER_ERROR = 2
 METRICS = "metrics.jsonl"

@@ -84,3 +84,16 @@ def digits_fixture(train_per_class: int, val_per_class: int):
         make_digits(root, train_per_class=train_per_class, val_per_class=val_per_class)
         return str(root)
     return digits
+
+
+def photo(h: int, w: int, seed: int) -> Image.Image:
+    """A smooth colour image of ``h`` x ``w`` (JPEG-friendly, like a photograph)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.BICUBIC)
+
+
+def garbage_job(path: str = "garbage.JPEG"):
+    """A --decode gpu job whose header passed the worker's check, then bytes no decoder can read."""
+    from imagenet.gpudecode import JpegJob
+    return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32)

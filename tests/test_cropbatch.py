@@ -19,7 +19,7 @@ from imagenet.config import Config
 from imagenet.cropbatch import CpuCrop, CropBatch, TrainCropReader
 from imagenet.data import SafeImageFolder, build_datasets, collate_skipping, resize_on_device, set_output_size
 from imagenet.decode import TrainDecoder, path_identity
-from tests.test_gpudecode import photo
+from tests.helpers import photo
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(375, 500), (500, 375), (97, 131), (64, 64), (240, 180)]

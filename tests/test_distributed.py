@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from imagenet.distributed import free_port  # noqa: E402
 from tests.helpers import make_digits  # noqa: E402
 
 PER_CLASS = 4  # -> 40 train images (5 global batches of 8), 40 val images before one is removed
@@ -57,12 +57,6 @@ def child_env(**extra):
     env.pop("NCCL_NVLS_ENABLE", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def multiproc(*args):

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 import torchvision
 
 from imagenet.ema import ModelEma

@@ -230,7 +230,7 @@ def test_nvjpeg_decode_matches_the_cpu_decode_path(tmp_path):
     crops within rounding (the issue's 'GPU decode path matches the CPU path')."""
     from imagenet.decode import TrainDecoder, ValDecoder
     from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
-    from tests.test_gpudecode import photo
+    from tests.helpers import photo
 
     paths = []
     for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 444)]):

@@ -4,10 +4,8 @@ code runs with torchvision's CPU decoder, which proves the geometry against the 
 import io
 import os
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from imagenet.config import Config, validate
 from imagenet.data import SafeImageFolder, collate_skipping, set_output_size
@@ -16,15 +14,9 @@ from imagenet.errors import UserError
 from imagenet.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
 from imagenet.prefetch import DeviceLoader
 from imagenet.runner import main
+from tests.helpers import garbage_job, photo
 
 CPU = torch.device("cpu")
-
-
-def photo(h, w, seed):
-    """A smooth colour image (JPEG-friendly, like a photograph)."""
-    rng = np.random.default_rng(seed)
-    small = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.BICUBIC)
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +76,6 @@ def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
         assert isinstance(item, CpuDecoded) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
 
 
-def garbage_job(path="garbage.JPEG"):
-    # A header that passed the worker's check, then bytes no decoder can read.
-    return JpegJob(b"\xff\xd8garbage" * 8, path, "train",
-                   (0, 0, 8, 8), 32)
 
 
 def test_an_undecodable_jpeg_is_skipped_and_the_rest_of_the_batch_survives(files):

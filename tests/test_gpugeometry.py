@@ -93,7 +93,7 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
     from imagenet import gpugeometry
     from imagenet.decode import TrainDecoder, ValDecoder
     from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
-    from tests.test_gpudecode import garbage_job, photo
+    from tests.helpers import garbage_job, photo
     paths = []
     for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 250), (97, 131), (64, 64)]):
         paths.append(str(tmp_path / f"{i}.JPEG"))

@@ -6,7 +6,6 @@ what they saw (environment, argv, pid) as files in a directory named by TEST_OUT
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import multiproc  # noqa: E402
+from multiproc import free_port  # noqa: E402
 
 # Shared by every child script: report files are written atomically so the test never reads half.
 PREAMBLE = """\
@@ -81,12 +81,6 @@ def wait_for_files(paths, timeout=10):
 def assert_dead(pid):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def test_env_contract_two_processes(tmp_path):

@@ -12,7 +12,7 @@ import torchvision
 from imagenet.errors import UserError
 from imagenet.models import compile_model
 from imagenet.runner import main
-from tests.test_distributed import free_port
+from imagenet.distributed import free_port
 from tests.test_fused_step import fused_or_skip
 from tests.test_precision_runs import argv, load
 
