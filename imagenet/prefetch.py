@@ -27,7 +27,7 @@ from .gpudecode import JpegBatch, decode_batch
 
 class Normalize:
     """uint8 NHWC images -> float NCHW (channels_last memory), ``(x / 255 - mean) / std``, on
-    ``device``: one fused multiply-add per element, in place."""
+    ``device``, as ``x * scale + shift``: a multiply and an add per element, in place."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device = torch.device("cpu")):
         std_t = torch.tensor(std, dtype=torch.float32)
