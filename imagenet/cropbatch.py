@@ -1,15 +1,16 @@
 """``--decode cpu`` on a GPU: workers decode and crop, the GPU resizes and flips the batch.
 
-On a CPU, resizing a RandomResizedCrop box to the training size costs about as much as
-decoding the JPEG (docs/BENCHMARKS.md: 1.22 ms vs 1.34 ms an image on the 2-core machine).
+On a CPU, resizing a RandomResizedCrop box to the training size costs a large share of a
+worker's time (PIL: 1.22 ms against 1.34 ms for the decode, an image on the 2-core machine;
+torch's uint8 kernel, which the workers use otherwise, about half of PIL's time).
 Where the batched kernel of :mod:`imagenet.gpugeometry` can run, the workers stop after the
 crop: each ships its region (uint8 HWC, at the DCT scale that keeps it at least the output
 size, as the worker-side resize would have read it) and the flip it drew; the batch's crops
 are laid end to end in one buffer with the kernel's table, built in the worker, so the
 training process only pins, copies and launches one kernel a batch.
 
-The pixels are those of the workers' PIL resize within one level (the filter is PIL's
-antialiased bilinear, :mod:`imagenet.gpugeometry`), from the same seeded crops and flips.
+The pixels are PIL's resize of the same seeded crops and flips within one level (the kernel
+computes PIL's antialiased bilinear filter, :mod:`imagenet.gpugeometry`).
 Every file PIL reads takes this path, PNG and CMYK JPEG too; an unreadable one is skipped as
 on any path. RandAugment and random erasing work on resized pixels, so recipes using them keep
 the resize in the workers (:func:`imagenet.data.resize_on_device`).
@@ -65,7 +66,7 @@ class CropBatch:
         torch.cat([c.image.reshape(-1) for c in crops], out=flat)
         size = crops[0].out
         ints, scales = gpugeometry.table(shapes, [gpugeometry.Sampling.train((0, 0, h, w), size) for h, w in shapes],
-                                         [c.flip for c in crops], range(len(crops)), channels_last=True)
+                                         [c.flip for c in crops], range(len(crops)), hwc=True)
         return CropBatch(flat, ints, scales, size)
 
     def __len__(self) -> int:

@@ -79,14 +79,14 @@ def taps(scale: float) -> int:
     return int(math.ceil(2 * max(scale, 1.0))) + 1
 
 
-def table(shapes: list, samplings: list, flips: list, rows: list, channels_last: bool = False,
+def table(shapes: list, samplings: list, flips: list, rows: list, hwc: bool = False,
           pin: bool = False) -> tuple:
     """The kernel's table (int64 [n, COLUMNS]) and scales (float32 [n, 2]) for images of
-    ``shapes`` ((height, width) each) laid end to end, CHW or (``channels_last``) HWC; ``pin``:
+    ``shapes`` ((height, width) each) laid end to end, CHW planes or (``hwc``) interleaved HWC pixels; ``pin``:
     in pinned memory, so they go to the device without a host wait."""
     rows_i, rows_f, offset = [], [], 0
     for (h, w), s, flip, row in zip(shapes, samplings, flips, rows):
-        pixel, channel = (3, 1) if channels_last else (1, h * w)
+        pixel, channel = (3, 1) if hwc else (1, h * w)
         rows_i.append([offset, h, w, s.top, s.left, s.region_h, s.region_w, s.off_y, s.off_x, int(flip), row,
                        taps(s.scale_y), taps(s.scale_x), pixel, channel])
         rows_f.append([s.scale_y, s.scale_x])

@@ -538,8 +538,7 @@ def jpeg_engine_use(dmon: str) -> str:
               if len(parts) > col and parts[col].isdigit()]
     if not values:
         return "no samples"
-    busy = sorted(values)
-    return f"busy {busy[len(busy) // 2]}% median, {busy[-1]}% peak over {len(values)} s"
+    return f"busy {statistics.median(values):.0f}% median, {max(values)}% peak over {len(values)} s"
 
 
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",

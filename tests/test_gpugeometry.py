@@ -73,7 +73,7 @@ def test_the_table_follows_the_boxes():
     ints, scales = G.table([(300, 400), (5, 6)], [v, s], [False, True], [1, 0])
     assert ints[1, G.SRC] == 3 * 300 * 400 and ints[1, G.FLIP] == 1 and ints[1, G.ROW] == 0
     assert (ints[0, G.PIXEL], ints[0, G.CHANNEL]) == (1, 300 * 400)  # CHW planes
-    hwc, _ = G.table([(300, 400)], [v], [False], [0], channels_last=True)
+    hwc, _ = G.table([(300, 400)], [v], [False], [0], hwc=True)
     assert (hwc[0, G.PIXEL], hwc[0, G.CHANNEL]) == (3, 1)  # interleaved pixels
     assert scales[0].tolist() == pytest.approx([300 / 256, 400 / 341])
 
