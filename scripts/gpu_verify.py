@@ -472,15 +472,22 @@ def phase_e2e(args) -> None:
                                               "--pipelines classic,fast,fast-worker-resize,gpu"))
     if "jpeg" in parts:
         e2e = f"main.py {JPEG_DIR} {model} -j {w} --epochs {args.e2e_epochs} -p 50 --output-dir OUT"
-        for name, extra in (("jpeg-gpu-decode-eager", "--decode gpu"),
-                            ("jpeg-gpu-decode-cuda-graphs", "--decode gpu --compile reduce-overhead"),
-                            ("jpeg-cpu-decode-eager", "--decode cpu"),
-                            ("jpeg-cpu-decode-cuda-graphs", "--decode cpu --compile reduce-overhead"),
-                            ("jpeg-trainer-classic-eager", "--data-pipeline classic")):
-            if any(part and part in name for part in args.e2e_skip.split(",")) or \
-                    ("cuda-graphs" if "cuda-graphs" in name else "eager") not in modes:
-                continue
-            runs.append((name, "main", f"timeout {args.e2e_timeout} {PY} {e2e} {extra}"))
+        variants = [v.strip() for v in args.e2e_cpu_variants.split("|")] if args.e2e_cpu_variants else [""]
+        jpeg_rows = [("jpeg-gpu-decode-eager", "--decode gpu"),
+                     ("jpeg-gpu-decode-cuda-graphs", "--decode gpu --compile reduce-overhead")]
+        for v in variants:  # the CPU-decode rows once per variant, e.g. --worker-nice 10
+            tag = "".join(c if c.isalnum() else "-" for c in v).strip("-")
+            tag = f"-{'-'.join(filter(None, tag.split('-')))}" if tag else ""
+            jpeg_rows += [(f"jpeg-cpu-decode-eager{tag}", f"--decode cpu {v}"),
+                          (f"jpeg-cpu-decode-cuda-graphs{tag}", f"--decode cpu --compile reduce-overhead {v}")]
+        jpeg_rows.append(("jpeg-trainer-classic-eager", "--data-pipeline classic"))
+        for rep in range(1, args.e2e_repeat + 1):  # repeats alternate the rows, so drift hits all alike
+            for name, extra in jpeg_rows:
+                if any(part and part in name for part in args.e2e_skip.split(",")) or \
+                        ("cuda-graphs" if "cuda-graphs" in name else "eager") not in modes:
+                    continue
+                runs.append((name + (f"-r{rep}" if rep > 1 else ""), "main",
+                             f"timeout {args.e2e_timeout} {PY} {e2e} {extra.strip()}"))
     if "loader" in parts or "jpeg" in parts:
         ensure_jpeg(args)
     rows, results = [], []
@@ -777,6 +784,10 @@ def main() -> int:
     p.add_argument("--e2e-modes", default="eager,cuda-graphs",
                    help="e2e: the step modes of the synthetic and JPEG rows (one call each fits the 10-minute limit)")
     p.add_argument("--e2e-timeout", type=int, default=240, help="e2e: seconds one row may take")
+    p.add_argument("--e2e-cpu-variants", default="",
+                   help="e2e: '|'-separated extra main.py flags, one set of CPU-decode rows each, e.g. "
+                        "'--worker-nice 0|--worker-nice 10'")
+    p.add_argument("--e2e-repeat", type=int, default=1, help="e2e: run the JPEG rows this many times, alternating")
     p.add_argument("--e2e-skip", default="", help="e2e: JPEG rows to leave out, by part of their name, e.g. cuda-graphs,classic")
     p.add_argument("--parts", default="synthetic,dummy,loader,jpeg",
                    help="e2e: comma list of synthetic (bench.py train), dummy (main.py --dummy), loader, jpeg")
