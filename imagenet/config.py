@@ -39,7 +39,6 @@ class Config:
     # -- data -------------------------------------------------------------------------------
     data: Optional[str] = None  # ImageFolder root with train/ and val/; None: built-in MNIST-5k
     workers: int = 4  # data-loading processes per training process
-    worker_nice: int = 0  # niceness added to the data-loading workers (0-19): the training process wins a busy CPU
     image_size: int = 224  # training crop (and validation crop unless --val-crop), pixels
     val_resize: Optional[int] = None  # validation images are resized to this (shorter side), then center-cropped;
     #                                    default 256, or with --pretrained the weights' own (232 for V2 weights)
@@ -359,8 +358,6 @@ def validate(cfg: Config) -> None:
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
-    need(0 <= cfg.worker_nice <= 19, f"--worker-nice must be 0 to 19 (a niceness added to the workers), "
-                                     f"got {cfg.worker_nice}")
     need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
     need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
     for name in ("lr", "momentum", "weight_decay", "label_smoothing", "warmup_epochs", "lr_gamma",

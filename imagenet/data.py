@@ -439,20 +439,6 @@ def worker_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, _term_later)
 
 
-@dataclass(frozen=True)
-class WorkerInit:
-    """A data-loading worker's start: :func:`worker_signals`, then ``nice`` added to its
-    niceness. With as many workers as cores, the training process's thread (which launches
-    every kernel of the step) otherwise waits for a core behind decoding workers."""
-
-    nice: int = 0
-
-    def __call__(self, worker_id: int) -> None:
-        worker_signals(worker_id)
-        if self.nice:
-            os.nice(self.nice)
-
-
 def per_process_batch(batch_size: int, ctx) -> int:
     """``-b`` is global: each DDP rank takes its share (DataParallel splits inside the model)."""
     if ctx.distributed:
@@ -499,7 +485,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_sampler = SeededSampler(data.train, world, rank, seed)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_for(ctx.device), persistent_workers=cfg.workers > 0,
-                  worker_init_fn=WorkerInit(cfg.worker_nice) if cfg.workers > 0 else None)
+                  worker_init_fn=worker_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)

@@ -270,8 +270,6 @@ def test_yaml_config_key_hint_does_not_suggest_itself(tmp_path):
     (["--lr", "0"], "--lr"),
     (["--epochs", "0"], "--epochs"),
     (["-j", "-1"], "--workers"),
-    (["--worker-nice", "20"], "--worker-nice"),
-    (["--worker-nice", "-5"], "--worker-nice"),
     (["--momentum", "-0.5"], "--momentum"),
     (["--wd", "-1e-4"], "--weight-decay"),
     (["--label-smoothing", "1.0"], "--label-smoothing"),

@@ -156,7 +156,7 @@ def test_check_layout_accepts_images_in_nested_folders(tmp_path):
 def _cfg(**over):
     base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0,
                 data_pipeline="fast", no_jpeg_draft=False, channels_last=False, auto_augment="none",
-                random_erase=0.0, decode="cpu", worker_nice=0)
+                random_erase=0.0, decode="cpu")
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -321,25 +321,6 @@ def test_dummy_batches_are_made_once_on_the_device_and_never_pass_through_worker
     assert [len(t) for _, t, _ in val] == [4, 1]
     train.set_start(4)  # a mid-epoch resume skips the batches done
     assert len(train) == 1 and len(list(train)) == 1
-
-
-class _Niceness(torch.utils.data.Dataset):
-    """Each item is the niceness of the process that loaded it."""
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, key):
-        return torch.zeros(3, 8, 8), os.nice(0), None
-
-
-def test_worker_nice_lowers_the_workers_priority_and_not_the_training_process():
-    base = os.nice(0)
-    files = DataBundle(_Niceness(), _Niceness(), ["0", "1"], "tensors")
-    train, _ = build_loaders(_cfg(batch_size=2, workers=1, worker_nice=3), files, _ctx(), seed=0)
-    niceness = {int(n) for _, targets, _ in train for n in targets}
-    assert niceness == {min(base + 3, 19)}
-    assert os.nice(0) == base
 
 
 def test_gpu_decode_prepares_batches_in_a_background_thread():
