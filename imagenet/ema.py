@@ -15,7 +15,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from .precision import Precision, unwrap
+from .precision import Precision
+from .wrappers import unwrap
 
 
 class ModelEma:

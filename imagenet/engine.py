@@ -25,6 +25,7 @@ import torch.nn as nn
 from .distributed import DistContext, all_reduce_max, all_reduce_sum
 from .errors import UserError
 from .metrics import AverageMeter, DeviceSums, means
+from .wrappers import ddp_of
 
 logger = logging.getLogger(__name__)
 _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
@@ -270,15 +271,9 @@ class SteadyRate:
         return self.totals
 
 
-def _ddp(model: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
-    """The DDP wrapper of the training model, also when that wrapper was compiled; else None."""
-    net = getattr(model, "_orig_mod", model)
-    return net if isinstance(net, nn.parallel.DistributedDataParallel) else None
-
-
 def _grad_sync(model: nn.Module, sync: bool):
     """DDP's ``no_sync()`` for micro-batches whose gradients are still being accumulated."""
-    ddp = _ddp(model)
+    ddp = ddp_of(model)
     return ddp.no_sync() if ddp is not None and not sync else contextlib.nullcontext()
 
 
@@ -313,7 +308,7 @@ def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: Dis
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
     # (the eager one when the DDP wrapper was compiled).
-    ddp = _ddp(model)
+    ddp = ddp_of(model)
     net = ddp.module if ddp is not None else model
     net.eval()
     sums = DeviceSums(ctx.device)

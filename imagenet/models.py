@@ -12,6 +12,7 @@ import torchvision
 
 from .config import ARCHS
 from .errors import UserError
+from .wrappers import strip_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +30,6 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False) -> nn.Mo
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
         model.maxpool = nn.Identity()
     return model
-
-
-def strip_prefix(state_dict: dict) -> dict:
-    """Remove the ``module.`` (DataParallel/DDP) and ``_orig_mod.`` (torch.compile) prefixes."""
-    out = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in ("module.", "_orig_mod."):
-                if key.startswith(prefix):
-                    key = key[len(prefix):]
-                    changed = True
-        out[key] = value
-    return out
 
 
 def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:

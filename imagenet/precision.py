@@ -29,22 +29,12 @@ import torch.nn as nn
 
 from .errors import UserError
 from .optim import supports_found_inf
+from .wrappers import unwrap
 
 logger = logging.getLogger(__name__)
 
 _BN_TYPES = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm)
 _LOGGED_SKIPS = 3  # individual overflow messages before they are only counted
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def configure_tf32(enabled: bool) -> None:

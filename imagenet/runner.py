@@ -29,13 +29,14 @@ from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image
 from .engine import LoopOptions, Steady, lr_lambda, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .models import (compile_model, create_model, fit_state_dict, load_weights_into, pretrained_state_dict,
-                     pretrained_weights, strip_prefix)
+                     pretrained_weights)
 from .ema import ModelEma
 from .metrics import EpochRecord
 from .mixing import BatchMixer
-from .precision import Precision, build_precision, configure_tf32, describe, unwrap
+from .precision import Precision, build_precision, configure_tf32, describe
 from .preemption import Preempted, StopRequest
 from .tblog import TensorBoardLog, require_tensorboard
+from .wrappers import strip_prefix, unwrap
 
 logger = logging.getLogger("imagenet")
 

@@ -17,7 +17,7 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # no install step: the tests import the package from the checkout
-from imagenet import models  # noqa: E402
+from imagenet import models, wrappers  # noqa: E402
 from imagenet.config import ARCHS  # noqa: E402
 from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from imagenet.runner import main  # noqa: E402
@@ -108,7 +108,7 @@ def test_default_stem_is_torchvisions():
 
 def test_strip_prefix():
     t = [torch.tensor(float(i)) for i in range(6)]
-    out = models.strip_prefix({
+    out = wrappers.strip_prefix({
         "module.conv1.weight": t[0],
         "_orig_mod.bn1.weight": t[1],
         "module._orig_mod.fc.weight": t[2],
@@ -127,7 +127,7 @@ def test_strip_prefix_round_trips_a_wrapped_model():
     wrapped = nn.DataParallel(model)  # keys gain "module." (DataParallel works on CPU too)
     keys = list(wrapped.state_dict())
     assert all(k.startswith("module.") for k in keys)
-    assert list(models.strip_prefix(wrapped.state_dict())) == list(model.state_dict())
+    assert list(wrappers.strip_prefix(wrapped.state_dict())) == list(model.state_dict())
 
 
 # --------------------------------------------------------------------------- load_weights_into

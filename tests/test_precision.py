@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision,
-                                copy_by_dtype, iter_norm_modules, unwrap)
+                                copy_by_dtype, iter_norm_modules)
+from imagenet.wrappers import unwrap
 
 
 def small_net(seed=0):
