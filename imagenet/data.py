@@ -292,7 +292,7 @@ def set_output_size(transform, size: int) -> None:
 def image_size_at(epoch: int, cfg) -> int:
     """The training crop of ``epoch``: --image-size, or under --progressive-resize MIN a linear ramp
     from MIN (until the ramp's first epoch) to --image-size (from its last), in steps of 8 px."""
-    start = getattr(cfg, "progressive_resize", None)
+    start = cfg.progressive_resize
     if not start:
         return cfg.image_size
     first, last = progressive_ramp(cfg)
@@ -364,7 +364,7 @@ def val_geometry(cfg, weights=None) -> ValGeometry:
     the ``--pretrained`` ``weights``' evaluation transform (anything with ``name``, ``resize`` and
     ``crop``: 232 for 224 px crops with torchvision's V2 weights, so their published accuracy is
     reproducible; at another crop the same ratio), else the classic 256."""
-    resize, crop = getattr(cfg, "val_resize", None), getattr(cfg, "val_crop", None) or cfg.image_size
+    resize, crop = cfg.val_resize, cfg.val_crop or cfg.image_size
     source = ""
     if resize is None and weights is not None:
         resize = round(weights.resize * crop / weights.crop)
@@ -406,7 +406,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
                                 augment=augment_policy(cfg.auto_augment), erase=erase)
         val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize, draft=draft), path_identity
         pipeline = "fast: workers decode, crop, resize and flip"
-        if getattr(cfg, "decode", "cpu") == "gpu":  # workers read bytes and draw crops; the GPU decodes
+        if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
             pipeline = "fast, --decode gpu: workers read files, nvJPEG decodes, one kernel crops, resizes and flips"
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
@@ -437,6 +437,7 @@ def worker_signals(worker_id: int) -> None:
     ends, WORKER_TERM_GRACE seconds later."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _term_later)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal=USR1@T reaches them too
 
 
 def per_process_batch(batch_size: int, ctx) -> int:
@@ -453,7 +454,7 @@ def micro_batch_size(cfg, ctx) -> int:
     """Images per forward pass in one process: the process's share of ``-b``, split over
     ``--accum-steps`` gradient-accumulation passes."""
     per_process = per_process_batch(cfg.batch_size, ctx)
-    accum = getattr(cfg, "accum_steps", 1)
+    accum = cfg.accum_steps
     if per_process % accum:
         share = f"each of {ctx.world_size} processes takes {per_process}" if ctx.distributed else f"-b {per_process}"
         raise UserError(f"--accum-steps {accum} must divide the batch of each process ({share}): each forward "
@@ -470,7 +471,7 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # One shuffling scheme for every mode (a single process is a world of one), so a DDP run's
     # global batches hold the same images as a single-process run with the same seed.
     world, rank = (ctx.world_size, ctx.rank) if ctx.distributed else (1, 0)
-    step_images = batch * getattr(cfg, "accum_steps", 1)
+    step_images = batch * cfg.accum_steps
     if n_train // world < step_images:
         raise UserError(f"the training set has {n_train} images, fewer than one batch of {step_images} per "
                         f"process; lower -b/--batch-size (now {cfg.batch_size})")

@@ -1,7 +1,8 @@
 """Exponential moving average of the weights (``--model-ema DECAY``), kept in float32.
 
 After every optimizer step that changed the weights, ``ema = d * ema + (1 - d) * w`` for every
-parameter and floating-point buffer (BatchNorm statistics), with one multi-tensor lerp. In fp16
+parameter and floating-point buffer (BatchNorm statistics), with multi-tensor lerps masked on the
+device by the step's flag (a skipped step leaves the average as it is; nothing waits). In fp16
 mode ``w`` is the fp32 master, not the rounded fp16 copy. The decay warms up as
 ``min(d, (1 + n) / (10 + n))`` over the first updates, so a short run's average is not
 dominated by the random initialisation. The average is a plain fp32 model of the same
@@ -40,33 +41,28 @@ class ModelEma:
         self._counters = [(d, s) for d, s in buffers if not d.is_floating_point()]
 
     @torch.no_grad()
-    def update(self, stepped=True) -> None:
-        """Follow one optimizer step; ``stepped`` False (or a device flag that is False) means
-        the step was skipped and the weights did not move.
+    def update(self, stepped: torch.Tensor) -> None:
+        """Follow one optimizer step; ``stepped`` is its device flag (``precision.step``'s 0-dim
+        bool tensor): False means the step was skipped and the average stays as it is.
 
-        With a device flag the update is masked on the device instead of waiting for the host;
-        ``updates`` (the decay warm-up's clock) then counts attempted steps.
+        The update is masked on the device, so nothing waits for the host; ``updates`` (the decay
+        warm-up's clock) counts every step, skipped or not.
         """
-        if stepped is False:
-            return
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        if isinstance(stepped, torch.Tensor):
-            # The weights of a skipped step are the unchanged, finite masters: a zero weight
-            # leaves the average alone.
-            weight = stepped.to(torch.float32) * (1.0 - d)
-            delta = torch._foreach_sub(self._src, self._dst)
-            torch._foreach_mul_(delta, weight)
-            torch._foreach_add_(self._dst, delta)
-            if self._dst_buf:
-                # BatchNorm statistics of an overflowing forward may be NaN, which a zero weight
-                # would not cancel (NaN * 0): select the average's own values instead.
-                target = [torch.where(stepped, src.float(), avg) for avg, src in zip(self._dst_buf, self._src_buf)]
-                torch._foreach_lerp_(self._dst_buf, target, 1.0 - d)
-        else:
-            torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
-            if self._dst_buf:
-                torch._foreach_lerp_(self._dst_buf, [s.float() for s in self._src_buf], 1.0 - d)
+        # avg = keep * lerp(avg, w, 1 - d) + (1 - keep) * avg, in four multi-tensor passes: with
+        # keep 1 this is exactly the lerp (avg * 0 adds a zero), with keep 0 exactly the average
+        # (the weights of a skipped step are the unchanged, finite masters, so lerp * 0 is 0).
+        keep = stepped.to(torch.float32)
+        moved = torch._foreach_lerp(self._dst, self._src, 1.0 - d)
+        torch._foreach_mul_(moved, keep)
+        torch._foreach_mul_(self._dst, 1.0 - keep)
+        torch._foreach_add_(self._dst, moved)
+        if self._dst_buf:
+            # BatchNorm statistics of an overflowing forward may be NaN, which a zero weight
+            # would not cancel (NaN * 0): select the average's own values instead.
+            target = [torch.where(stepped, src.float(), avg) for avg, src in zip(self._dst_buf, self._src_buf)]
+            torch._foreach_lerp_(self._dst_buf, target, 1.0 - d)
         for dst, src in self._counters:
             dst.copy_(src)
 

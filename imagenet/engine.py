@@ -1,4 +1,5 @@
-"""The training and validation loops: plain functions that take what they use and return dicts.
+"""The training and validation loops: plain functions that take what they use by keyword and
+return small results (:class:`TrainResult`, :class:`ValResult`).
 
 The loops never branch on precision (the :mod:`precision` object hides it). On the launch mode
 they branch only where DDP needs it: the reductions of :mod:`distributed`, ``no_sync`` for
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import math
 import sys
@@ -64,30 +64,59 @@ def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Opti
     return "\t".join(parts)
 
 
-def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, scheduler, precision,
-                    ctx: DistContext, epoch: int, opts: LoopOptions, start_step: int = 0,
-                    stop: Callable[[], bool] = lambda: False,
-                    on_step: Optional[Callable] = None, ema=None, mixer=None,
-                    start_sums: Optional[list] = None) -> dict:
-    """One pass over the training loader (device-ready batches); returns the reduced metrics.
+@dataclass
+class TrainResult:
+    """One training epoch (or the part of it this call ran), reduced over ranks where it says."""
+
+    loss: float  # mean over the epoch's images, all ranks (a resumed epoch: the whole epoch)
+    acc1: float
+    acc5: float
+    samples: int  # images trained on, all ranks
+    steps: int  # optimizer steps this call ran
+    skipped_steps: int  # of those, skipped for gradient overflow
+    img_per_s: float  # steady rate, all ranks (Steady.img_per_s times the world size)
+    data_wait_frac: float
+    steady: "Steady"  # this process's steady-state totals, for the run's summary
+    seconds: float
+    skipped_paths: list  # unreadable files this rank met
+    completed: bool  # False: a stop request ended the epoch early
+    steps_done: int  # loader batches of the epoch consumed (the unreadable ones included)
+    sums: list  # metric sums so far, all ranks (metrics.DeviceSums.raw), for a mid-epoch checkpoint
+
+
+@dataclass
+class ValResult:
+    loss: float
+    acc1: float
+    acc5: float
+    samples: int
+    skipped_paths: list
+
+    def to_dict(self) -> dict:
+        return {"val_loss": self.loss, "val_acc1": self.acc1, "val_acc5": self.acc5, "val_samples": self.samples}
+
+
+def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOptions,
+                    stop: Callable[[], bool] = lambda: False, on_step: Optional[Callable] = None) -> TrainResult:
+    """One pass over the training loader (device-ready batches) with ``state`` (an
+    :class:`imagenet.state.TrainState`), from where ``progress`` (an
+    :class:`imagenet.state.Progress`) says; returns the reduced metrics.
 
     Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
     gradients add up (each loss divided by the count, so the step sees the mean over all of
-    them) and, under DDP, are all-reduced once, with the last one. ``start_step`` batches of this
-    epoch were done before (the loader already skips them); after each optimizer step
-    ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints) and ``stop()`` may end the
-    epoch early (preemption); the result then says ``completed: False``. ``start_sums``: the
-    metric sums (over all ranks) of the ``start_step`` batches done before, so a resumed epoch
-    reports the whole epoch; ``on_step`` gets a function returning the sums so far, for its
-    checkpoint, and the result holds them as ``partial_sums``. ``ema`` (an
-    :class:`imagenet.ema.ModelEma`) follows every optimizer step; ``mixer``
-    (:class:`imagenet.mixing.BatchMixer`) turns batches into mixup/cutmix ones with soft labels.
+    them) and, under DDP, are all-reduced once, with the last one. ``progress.step`` batches of
+    the epoch were done before (the loader already skips them) and ``progress.sums`` holds
+    their metric sums (over all ranks), so a resumed epoch reports the whole epoch. After each
+    optimizer step ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints; ``sums``
+    is a function returning the sums so far) and ``stop()`` may end the epoch early
+    (preemption; the result then says ``completed=False``). ``state.ema`` follows every
+    optimizer step; ``state.mixer`` turns batches into mixup/cutmix ones with soft labels.
     """
-    model.train()
-    accum = opts.accum_steps
+    precision, epoch, start_step, accum = state.precision, progress.epoch, progress.step, opts.accum_steps
+    state.model.train()
     sums = DeviceSums(ctx.device)
-    if start_sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
-        sums.seed(start_sums)
+    if progress.sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
+        sums.seed(progress.sums)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
     group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
@@ -95,10 +124,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
     n = total if opts.max_steps is None else min(total, opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
-    steps = 0
-    skipped_before = precision.skipped_steps
-    last_good = None
-    group_has_data = False
+    steps, skipped_before, last_good, group_has_data = 0, precision.skipped_steps, None, False
     completed, done = True, start_step
     rate = SteadyRate(ctx.device, warm_steps=min(WARM_STEPS, (n - start_step) // accum // 5))
     start = end = time.perf_counter()
@@ -112,27 +138,10 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
         waited = time.perf_counter() - end
         data_time.update(waited)
         rate.add(targets.numel(), waited)
-        weight = 1.0
-        # Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
-        # when the last feature map is 1x1.
-        if targets.numel() == 0 or (targets.numel() == 1 and bad):
-            if ctx.distributed:
-                # Other ranks wait for this rank's gradients: take part with a zero-weight batch.
-                images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
-                weight = 0.0
-            else:
-                images = None
-        else:
-            last_good = (images, targets)
+        images, targets, weight, last_good = _trainable(images, targets, bad, last_good, ctx, opts)
         if images is not None:
             group_has_data = True
-            labels = targets
-            if mixer is not None and weight:
-                images, labels = mixer(images, targets)
-            with _grad_sync(model, last_micro):
-                output = precision.forward(model, images)
-                loss = criterion(output, labels) * weight
-                precision.backward(loss if accum == 1 else loss / accum)
+            loss, output = _forward_backward(state, images, targets, weight, accum, sync=last_micro)
             if weight:
                 sums.add(loss, output, targets)
             group_nonfinite |= ~torch.isfinite(loss.detach())
@@ -141,10 +150,7 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
             # consecutive optimizer steps with a NaN/inf loss (any of their passes)
             nonfinite_run = (nonfinite_run + 1) * group_nonfinite
             group_nonfinite.zero_()
-            stepped = precision.step(optimizer)  # a bool, or a device flag when the skip was decided there
-            if ema is not None:
-                ema.update(stepped)
-            _schedule(scheduler, first=steps == 0)
+            _optimizer_step(state, first=steps == 0)
             steps += 1
             rate.stepped(steps)
         batch_time.update(time.perf_counter() - end)
@@ -173,13 +179,44 @@ def train_one_epoch(model: nn.Module, loader, criterion: nn.Module, optimizer, s
     _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
     partial = sums.raw(ctx, all_reduce_sum)
     totals = means(partial)
-    return {"train_loss": totals["loss"], "train_acc1": totals["acc1"], "train_acc5": totals["acc5"],
-            "train_samples": totals["count"], "steps": steps,
-            "skipped_steps": precision.skipped_steps - skipped_before,
-            "img_per_s": steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
-            "data_wait_frac": steady.data_wait_frac, "steady": dataclasses.astuple(steady),
-            "train_seconds": elapsed, "skipped_paths": skipped_paths, "completed": completed,
-            "steps_done": done, "partial_sums": partial}
+    return TrainResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
+                       steps=steps, skipped_steps=precision.skipped_steps - skipped_before,
+                       img_per_s=steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
+                       data_wait_frac=steady.data_wait_frac, steady=steady, seconds=elapsed,
+                       skipped_paths=skipped_paths, completed=completed, steps_done=done, sums=partial)
+
+
+def _trainable(images, targets, bad: list, last_good: Optional[tuple], ctx: DistContext, opts: LoopOptions) -> tuple:
+    """(images or None, targets, loss weight, the last good batch) for a loader batch.
+    Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
+    when the last feature map is 1x1: such a batch is left out; under DDP, where the other ranks
+    wait for this rank's gradients, it takes part as a zero-weight stand-in."""
+    if targets.numel() == 0 or (targets.numel() == 1 and bad):
+        if not ctx.distributed:
+            return None, targets, 1.0, last_good
+        images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
+        return images, targets, 0.0, last_good
+    return images, targets, 1.0, (images, targets)
+
+
+def _forward_backward(state, images, targets, weight: float, accum: int, sync: bool) -> tuple:
+    """One micro-batch's forward and backward pass (mixed first, with ``state.mixer``); under
+    DDP the gradients are all-reduced only with ``sync``. Returns (weighted loss, logits)."""
+    labels = targets
+    if state.mixer is not None and weight:
+        images, labels = state.mixer(images, targets)
+    with _grad_sync(state.model, sync):
+        output = state.precision.forward(state.model, images)
+        loss = state.train_criterion(output, labels) * weight
+        state.precision.backward(loss if accum == 1 else loss / accum)
+    return loss, output
+
+
+def _optimizer_step(state, first: bool) -> None:
+    stepped = state.precision.step(state.optimizer)  # a device flag: False when the step was skipped
+    if state.ema is not None:
+        state.ema.update(stepped)
+    _schedule(state.scheduler, first=first)
 
 
 WARM_STEPS = 10  # optimizer steps of each epoch left out of its rate: compilation, cuDNN's search, workers' start
@@ -193,9 +230,9 @@ class Steady:
     seconds: float = 0.0
     waited: float = 0.0
 
-    def plus(self, other: tuple) -> "Steady":
-        """These totals and another epoch's (as the loop returns them: a plain tuple)."""
-        return Steady(*(a + b for a, b in zip(dataclasses.astuple(self), other)))
+    def __add__(self, other: "Steady") -> "Steady":
+        """These totals and another epoch's."""
+        return Steady(self.images + other.images, self.seconds + other.seconds, self.waited + other.waited)
 
     @property
     def img_per_s(self) -> float:
@@ -303,8 +340,8 @@ def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) ->
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
-             opts: LoopOptions, name: str = "") -> dict:
+def validate(*, model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
+             opts: LoopOptions, name: str = "") -> ValResult:
     """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
     # (the eager one when the DDP wrapper was compiled).
@@ -338,8 +375,8 @@ def validate(model: nn.Module, loader, criterion: nn.Module, precision, ctx: Dis
     totals = sums.totals(ctx, all_reduce_sum)
     if ctx.is_main:
         logger.info(f" * Acc@1 {totals['acc1']:.3f} Acc@5 {totals['acc5']:.3f}" + (f" ({name})" if name else ""))
-    return {"val_loss": totals["loss"], "val_acc1": totals["acc1"], "val_acc5": totals["acc5"],
-            "val_samples": totals["count"], "skipped_paths": skipped_paths}
+    return ValResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
+                     skipped_paths=skipped_paths)
 
 
 def lr_lambda(schedule: str, epochs: int, iters_per_epoch: int, warmup_epochs: float,

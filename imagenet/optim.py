@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .errors import UserError
+from .torch_private import takes_found_inf
 
 IMPLS = ("auto", "fused", "foreach")
 
@@ -60,7 +61,7 @@ def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: floa
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` reads ``optimizer.found_inf`` and skips on device by itself."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return takes_found_inf(optimizer)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:

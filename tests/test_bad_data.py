@@ -6,6 +6,7 @@ converted, counted per epoch in metrics.jsonl and listed in OUTPUT_DIR/skipped_i
 fatal; the run stops with one clear error only past --max-bad-fraction.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 from torchvision.datasets.folder import default_loader
 
+from imagenet.config import Config
 from imagenet.data import (IMAGENET_MEAN, IMAGENET_STD, SafeImageFolder, build_datasets, train_transform,
                            val_transform)
 from imagenet.decode import TrainDecoder, ValDecoder, path_identity
@@ -159,10 +161,9 @@ def corpus(tmp_path_factory):
             p.chmod(0o644)
 
 
-def _cfg(pipeline: str, draft: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(dummy=False, data_pipeline=pipeline, no_jpeg_draft=not draft, image_size=SIZE,
-                           min_crop_scale=0.08, hflip=0.5, val_resize=RESIZE,
-                           auto_augment="none", random_erase=0.0)
+def _cfg(pipeline: str, draft: bool = True) -> Config:
+    return dataclasses.replace(Config(), data_pipeline=pipeline, no_jpeg_draft=not draft, image_size=SIZE,
+                               val_resize=RESIZE)
 
 
 PIPELINES = [("fast", True), ("fast", False), ("classic", True)]

@@ -6,6 +6,7 @@ batch 8 (10 steps per epoch). Runs that several tests read are module-scoped fix
 """
 
 import contextlib
+import dataclasses
 import errno
 import filecmp
 import io
@@ -608,10 +609,8 @@ def test_resume_of_a_finished_run_trains_nothing_and_writes_nothing(base_run, da
 def test_model_best_written_even_when_accuracy_is_zero(data_root, tmp_path, monkeypatch):
     real_validate = runner.validate
 
-    def zero_accuracy(*args, **kwargs):
-        result = real_validate(*args, **kwargs)
-        result.update(val_acc1=0.0, val_acc5=0.0)
-        return result
+    def zero_accuracy(**kwargs):
+        return dataclasses.replace(real_validate(**kwargs), acc1=0.0, acc5=0.0)
 
     monkeypatch.setattr(runner, "validate", zero_accuracy)
     out = tmp_path / "out"

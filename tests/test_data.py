@@ -1,12 +1,12 @@
 """Tests for datasets, layout checks, the bad-file policy, samplers and loaders (imagenet/data.py)."""
 
+import dataclasses
 import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +18,8 @@ from torchvision.datasets.folder import default_loader
 
 from imagenet.data import (DataBundle, SafeImageFolder, ShardSampler, SyntheticDataset, build_datasets,
                            build_loaders, check_layout, collate_skipping, per_process_batch)
+from imagenet.config import Config
+from imagenet.distributed import DistContext
 from imagenet.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,11 +156,9 @@ def test_check_layout_accepts_images_in_nested_folders(tmp_path):
 
 
 def _cfg(**over):
-    base = dict(dummy=False, image_size=8, val_resize=8, min_crop_scale=0.5, hflip=0.5, batch_size=2, workers=0,
-                data_pipeline="fast", no_jpeg_draft=False, channels_last=False, auto_augment="none",
-                random_erase=0.0, decode="cpu")
-    base.update(over)
-    return SimpleNamespace(**base)
+    """The real config at tiny sizes, with ``over`` replacing fields."""
+    base = dict(image_size=8, val_resize=8, min_crop_scale=0.5, batch_size=2, workers=0)
+    return dataclasses.replace(Config(), **{**base, **over})
 
 
 @pytest.mark.parametrize("hidden_images", [0, 1])
@@ -258,18 +258,17 @@ def test_shard_sampler_world_of_one_and_short_dataset():
 
 
 def test_per_process_batch():
-    ddp3 = SimpleNamespace(distributed=True, world_size=3)
+    ddp3 = DistContext("ddp", torch.device("cpu"), "test", world_size=3)
     assert per_process_batch(12, ddp3) == 4
     with pytest.raises(UserError) as exc:
         per_process_batch(256, ddp3)
     assert "256" in str(exc.value) and "3" in str(exc.value)
     # Single process and DataParallel: the whole global batch.
-    assert per_process_batch(256, SimpleNamespace(distributed=False, world_size=1)) == 256
+    assert per_process_batch(256, DistContext("cpu", torch.device("cpu"), "test")) == 256
 
 
 def _ctx(distributed=False, world_size=1, rank=0):
-    return SimpleNamespace(distributed=distributed, world_size=world_size, rank=rank,
-                           device=torch.device("cpu"))
+    return DistContext("ddp" if distributed else "cpu", torch.device("cpu"), "test", rank=rank, world_size=world_size)
 
 
 def _bundle(n_train, n_val=4):

@@ -169,6 +169,7 @@ PARITY_DRIVER = r'''
 Run plainly this is a single CPU process (DistContext mode 'cpu', batch 8); under
 `python -m multiproc --nproc-per-node 2` it is DDP with 4 images per rank.
 """
+import dataclasses
 import sys
 import torch
 import torch.nn as nn
@@ -181,6 +182,7 @@ from imagenet.data import DataBundle, SafeImageFolder, build_loaders, IMAGENET_M
 from imagenet.engine import LoopOptions, train_one_epoch
 from imagenet.models import create_model
 from imagenet.precision import build_precision
+from imagenet.state import Progress, TrainState
 
 data_dir, out_path, steps = sys.argv[2], sys.argv[3], int(sys.argv[4])  # argv[5]: lr
 cfg = parse_config([data_dir, "-a", "resnet18", "-b", "8", "-j", "0", "--lr", sys.argv[5],
@@ -220,15 +222,17 @@ optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: 1.0)
 model = distributed.wrap(model, ctx)
 train_loader.sampler.set_epoch(0)
-result = train_one_epoch(model, train_loader, nn.CrossEntropyLoss(), optimizer, scheduler, precision,
-                         ctx, 0, LoopOptions(print_freq=1000, progress="lines", max_steps=steps))
+state = TrainState(model, optimizer, scheduler, precision, nn.CrossEntropyLoss(), nn.CrossEntropyLoss())
+result = train_one_epoch(state=state, progress=Progress(), loader=train_loader, ctx=ctx,
+                         opts=LoopOptions(print_freq=1000, progress="lines", max_steps=steps))
+result = dataclasses.asdict(result)
 if ctx.is_main:
     torch.save({"final": precision.model_state_dict(model), "initial": initial, "result": result,
                 "mode": ctx.mode, "world_size": ctx.world_size}, out_path)
 # The DDP wrapper (its reducer) must go before its process group, as it does in runner.run,
 # where the model is a local of _run; a module-level DDP outliving destroy_process_group
 # aborts at interpreter exit ("terminate called without an active exception").
-del model, optimizer, scheduler
+del model, optimizer, scheduler, state
 distributed.cleanup(ctx)
 '''
 
@@ -252,10 +256,10 @@ def test_ddp_two_ranks_match_one_process(dataset, tmp_path):
     assert (a["mode"], a["world_size"]) == ("cpu", 1)
     assert (b["mode"], b["world_size"]) == ("ddp", 2)
     for res in (a["result"], b["result"]):
-        assert res["steps"] == steps and res["train_samples"] == 8 * steps
-        assert math.isfinite(res["train_loss"])
+        assert res["steps"] == steps and res["samples"] == 8 * steps
+        assert math.isfinite(res["loss"])
     # the reduced training loss is the same mean over the same 24 images
-    assert a["result"]["train_loss"] == pytest.approx(b["result"]["train_loss"], rel=1e-5)
+    assert a["result"]["loss"] == pytest.approx(b["result"]["loss"], rel=1e-5)
     # Same starting point (seeded initialisation in both runs) ...
     for k in a["initial"]:
         assert torch.equal(a["initial"][k], b["initial"][k]), k

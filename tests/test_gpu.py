@@ -129,17 +129,18 @@ def test_data_parallel_replicas_run_autocast_in_the_asked_dtype(dtype, dp_class)
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["fp16", "amp"])
-def test_a_16_bit_training_step_never_waits_for_the_host(mode):
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "amp"])
+def test_a_training_step_never_waits_for_the_host(mode):
     """With the default (fused) optimizer the overflow check, the skip, the scale update and the
-    weight average stay on the GPU: torch's sync debug mode raises on any synchronising call."""
+    weight average stay on the GPU, and fp32's constant flag is no host value either: torch's
+    sync debug mode raises on any synchronising call."""
     from imagenet.ema import ModelEma
     from imagenet.optim import build_optimizer
 
     torch.manual_seed(0)
     model = create_model("resnet18", 10, small_stem=True).cuda().to(memory_format=torch.channels_last)
-    prec = (MasterWeightPrecision(LossScaler()) if mode == "fp16"
-            else AutocastPrecision(torch.float16, "cuda"))
+    prec = {"fp32": Precision, "fp16": lambda: MasterWeightPrecision(LossScaler()),
+            "amp": lambda: AutocastPrecision(torch.float16, "cuda")}[mode]()
     model = prec.prepare_model(model)
     opt = build_optimizer(prec.param_groups([{"params": list(model.parameters())}]), 0.1, 0.9, 1e-4, "auto",
                           torch.device("cuda"))
@@ -160,7 +161,8 @@ def test_a_16_bit_training_step_never_waits_for_the_host(mode):
         results = [step() for _ in range(3)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(isinstance(s, torch.Tensor) for s in results)
+    assert all(isinstance(s, torch.Tensor) and s.dtype == torch.bool and s.shape == () and s.device.type == "cuda"
+               for s in results)
     # Read at "print time", the device-held counts agree with the flags the steps returned.
     assert prec.skipped_steps == sum(not bool(s) for s in [first, *results])
 

@@ -1,41 +1,18 @@
 """Precision modes: the loss scaler, fp16 master-weight mechanics, parity with fp32, BN in fp32."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision,
-                                copy_by_dtype, iter_norm_modules)
+from imagenet.config import Config
+from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision, build_precision,
+                                configure_tf32, copy_by_dtype, iter_norm_modules)
 from imagenet.wrappers import unwrap
-
-
-def small_net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
-
-
-def batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 3, 12, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
-
-
-def train(precision, model, data, lr=0.1, wd=1e-4):
-    model = precision.prepare_model(model)
-    opt = torch.optim.SGD(precision.param_groups([{"params": list(model.parameters())}]), lr=lr,
-                          momentum=0.9, weight_decay=wd)
-    crit = nn.CrossEntropyLoss()
-    stepped = []
-    for x, y in data:
-        loss = crit(precision.forward(model, x), y)
-        precision.backward(loss)
-        stepped.append(precision.step(opt))
-    return model, opt, stepped
+from tests.helpers import batches, small_net, train_steps
 
 
 # -- the loss scaler -----------------------------------------------------------------------------
@@ -82,14 +59,14 @@ def test_scaler_state_dict_round_trip():
 
 def test_overflow_skips_step_and_leaves_params_and_momentum_untouched():
     prec = MasterWeightPrecision(LossScaler(init_scale=2.0 ** 10, dynamic=True))
-    model, opt, _ = train(prec, small_net(), batches(2))  # two clean steps build momentum
+    model, opt, _ = train_steps(prec, small_net(), batches(2))  # two clean steps build momentum
     masters = [m.detach().clone() for m in prec.masters]
     params = [p.detach().clone() for p in model.parameters()]
     momentum = [opt.state[m]["momentum_buffer"].clone() for m in prec.masters]
     x, y = batches(1, seed=9)[0]
     prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
     next(model.parameters()).grad[0].fill_(float("inf"))  # an fp16 overflow in one gradient
-    assert prec.step(opt) is False
+    assert not prec.step(opt)
     assert prec.loss_scale == 2.0 ** 9 and prec.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(masters, prec.masters))
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
@@ -97,26 +74,26 @@ def test_overflow_skips_step_and_leaves_params_and_momentum_untouched():
     assert all(p.grad is None for p in model.parameters())
     # and the next clean step trains again
     prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
-    assert prec.step(opt) is True
+    assert prec.step(opt)
     assert not torch.equal(masters[0], prec.masters[0])
 
 
 def test_nan_gradient_is_an_overflow_too():
     prec = MasterWeightPrecision(LossScaler(init_scale=8.0, dynamic=False))
-    model, opt, _ = train(prec, small_net(), batches(1))
+    model, opt, _ = train_steps(prec, small_net(), batches(1))
     x, y = batches(1, seed=3)[0]
     prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
     list(model.parameters())[-1].grad[0] = float("nan")
-    assert prec.step(opt) is False
+    assert not prec.step(opt)
     assert prec.loss_scale == 8.0  # static: skipped, never rescaled
 
 
 def test_master_weight_mechanics_are_exact_with_an_fp32_model():
     """With the model kept in fp32 and a power-of-two scale, the masters path is bit-identical to fp32."""
     data = batches(5)
-    ref, _, _ = train(Precision(), small_net(), data)
+    ref, _, _ = train_steps(Precision(), small_net(), data)
     prec = MasterWeightPrecision(LossScaler(init_scale=1024.0, dynamic=False), model_dtype=torch.float32)
-    got, _, stepped = train(prec, small_net(), data)
+    got, _, stepped = train_steps(prec, small_net(), data)
     assert all(stepped)
     for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         assert torch.equal(a, b), name
@@ -137,7 +114,7 @@ def test_master_copies_are_one_dtype_per_multi_tensor_call(monkeypatch):
 
     monkeypatch.setattr(torch, "_foreach_copy_", spy)
     prec = MasterWeightPrecision(LossScaler(init_scale=256.0, dynamic=False))
-    model, _, stepped = train(prec, small_net(), batches(1))
+    model, _, stepped = train_steps(prec, small_net(), batches(1))
     assert all(stepped)
     params = list(model.parameters())
     assert {p.dtype for p in params} == {torch.float16, torch.float32}
@@ -169,9 +146,9 @@ def test_fp16_masters_match_fp32_within_fp16_rounding():
     data = batches(5)
     init = small_net()
     start = [p.detach().clone() for p in init.parameters()]
-    ref, _, _ = train(Precision(), copy.deepcopy(init), data)
+    ref, _, _ = train_steps(Precision(), copy.deepcopy(init), data)
     prec = MasterWeightPrecision(LossScaler(init_scale=2.0 ** 12, dynamic=True))
-    got, _, stepped = train(prec, copy.deepcopy(init), data)
+    got, _, stepped = train_steps(prec, copy.deepcopy(init), data)
     assert all(stepped)
     d_ref = torch.cat([(p.detach() - s).flatten() for p, s in zip(ref.parameters(), start)])
     d_got = torch.cat([(m.detach() - s).flatten() for m, s in zip(prec.masters, start)])
@@ -208,7 +185,7 @@ def test_batchnorm_stays_fp32_after_conversion_and_reload():
 
 def test_state_dict_holds_masters_under_model_names():
     prec = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
-    model, _, _ = train(prec, small_net(), batches(2))
+    model, _, _ = train_steps(prec, small_net(), batches(2))
     state = prec.model_state_dict(model)
     plain = small_net()
     plain.load_state_dict(state)  # strict: same names, fp32
@@ -218,7 +195,7 @@ def test_state_dict_holds_masters_under_model_names():
 
 def test_optimizer_state_lives_with_fp32_masters():
     prec = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
-    _, opt, _ = train(prec, small_net(), batches(2))
+    _, opt, _ = train_steps(prec, small_net(), batches(2))
     for m in prec.masters:
         assert opt.state[m]["momentum_buffer"].dtype == torch.float32
 
@@ -227,21 +204,21 @@ def test_optimizer_state_lives_with_fp32_masters():
 
 def test_autocast_fp16_skips_overflowing_step_on_cpu():
     prec = AutocastPrecision(torch.float16, "cpu", init_scale=2.0 ** 8)
-    model, opt, stepped = train(prec, small_net(), batches(2))
+    model, opt, stepped = train_steps(prec, small_net(), batches(2))
     assert all(stepped)
     before = [p.detach().clone() for p in model.parameters()]
     x, y = batches(1, seed=5)[0]
     prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
     next(model.parameters()).grad.fill_(float("inf"))
-    assert prec.step(opt) is False
+    assert not prec.step(opt)
     assert prec.loss_scale == 2.0 ** 7 and prec.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_autocast_bf16_trains_close_to_fp32():
     data = batches(3)
-    ref, _, _ = train(Precision(), small_net(), data)
-    got, _, stepped = train(AutocastPrecision(torch.bfloat16, "cpu"), small_net(), data)
+    ref, _, _ = train_steps(Precision(), small_net(), data)
+    got, _, stepped = train_steps(AutocastPrecision(torch.bfloat16, "cpu"), small_net(), data)
     assert all(stepped) and got[0].weight.dtype == torch.float32  # autocast keeps fp32 weights
     a = torch.cat([p.detach().flatten() for p in ref.parameters()])
     b = torch.cat([p.detach().flatten() for p in got.parameters()])
@@ -274,7 +251,6 @@ def test_gradient_clipping_acts_on_unscaled_gradients_in_every_mode():
     data = batches(3)
 
     def clipped(prec):
-        prec.clip_norm = 0.05
         model = prec.prepare_model(small_net())
         opt = torch.optim.SGD(prec.param_groups([{"params": list(model.parameters())}]), lr=1.0)
         before = [p.detach().clone() for p in getattr(prec, "masters", None) or model.parameters()]
@@ -284,12 +260,49 @@ def test_gradient_clipping_acts_on_unscaled_gradients_in_every_mode():
         after = getattr(prec, "masters", None) or list(model.parameters())
         return torch.cat([(a.detach() - b).flatten() for a, b in zip(after, before)])
 
-    ref = clipped(Precision())
+    ref = clipped(Precision(clip_norm=0.05))
     assert ref.norm().item() == pytest.approx(0.05, rel=1e-4)  # lr 1: the update is the clipped gradient
-    exact = clipped(MasterWeightPrecision(LossScaler(init_scale=1024.0, dynamic=False), model_dtype=torch.float32))
+    exact = clipped(MasterWeightPrecision(LossScaler(init_scale=1024.0, dynamic=False), model_dtype=torch.float32,
+                                          clip_norm=0.05))
     assert torch.equal(exact, ref)
-    amp = clipped(AutocastPrecision(torch.float16, "cpu", init_scale=1024.0))
+    amp = clipped(AutocastPrecision(torch.float16, "cpu", init_scale=1024.0, clip_norm=0.05))
     assert amp.norm().item() == pytest.approx(0.05, rel=1e-3)
+
+
+@pytest.mark.parametrize("flags", [{}, {"fp16": True}, {"amp": True}, {"amp": True, "amp_dtype": "bfloat16"}])
+def test_build_precision_gives_every_mode_its_clip_norm(flags):
+    cfg = dataclasses.replace(Config(), clip_grad_norm=0.5, **flags)
+    assert build_precision(cfg, torch.device("cpu")).clip_norm == 0.5
+    assert build_precision(dataclasses.replace(cfg, clip_grad_norm=None), torch.device("cpu")).clip_norm is None
+
+
+# -- the step's flag ---------------------------------------------------------------------------
+
+MODES = {
+    "fp32": Precision,
+    "fp16": lambda: MasterWeightPrecision(LossScaler(init_scale=256.0, dynamic=False)),
+    "amp-fp16": lambda: AutocastPrecision(torch.float16, "cpu", init_scale=2.0 ** 8),
+    "amp-bf16": lambda: AutocastPrecision(torch.bfloat16, "cpu"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_returns_a_constant_device_flag_when_the_outcome_is_known_on_the_host(mode):
+    """Every mode returns a 0-dim bool tensor on the parameters' device; a mode that knows the
+    outcome on the host returns the same tensor each time rather than copying a new one over."""
+    prec = MODES[mode]()
+    model, opt, stepped = train_steps(prec, small_net(), batches(3))
+    for s in stepped:
+        assert isinstance(s, torch.Tensor) and s.dtype == torch.bool and s.shape == () and s.device.type == "cpu"
+        assert bool(s)
+    assert stepped[0] is stepped[1] is stepped[2]
+    if mode in ("fp16", "amp-fp16"):  # a skip: the False constant, and True stays True
+        x, y = batches(1, seed=4)[0]
+        prec.backward(nn.functional.cross_entropy(prec.forward(model, x), y))
+        next(model.parameters()).grad.fill_(float("inf"))
+        skipped = prec.step(opt)
+        assert skipped.dtype == torch.bool and skipped.shape == () and not bool(skipped)
+        assert skipped is not stepped[0] and bool(stepped[0])
 
 
 # -- TF32 flags ----------------------------------------------------------------------------------
@@ -307,7 +320,6 @@ def tf32_flags():
 def test_tf32_setting_leaves_every_precision_reader_answering(tf32_flags, enabled):
     """Inductor (``--compile max-autotune``) reads the generic matmul precision; after the new
     per-backend API was set, torch refused that read ("mix of the legacy and new APIs")."""
-    from imagenet.precision import configure_tf32
     configure_tf32(enabled)
     assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
     assert torch.backends.cuda.matmul.allow_tf32 is enabled

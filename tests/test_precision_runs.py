@@ -9,22 +9,14 @@ import torchvision
 
 from imagenet.config import parse_config
 from imagenet.errors import UserError
-from imagenet.precision import build_precision
+from imagenet.precision import LossScaler, MasterWeightPrecision, build_precision
 from imagenet.runner import main
-
-
-def argv(data, out, *extra):
-    return [data, "-a", "resnet18", "-b", "16", "-j", "0", "--image-size", "16", "--val-resize", "16",
-            "-p", "100", "--seed", "0", "--lr", "0.02", "--output-dir", str(out), *extra]
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
+from tests.helpers import batches, last_checkpoint, small_net, tiny_run_args, train_steps
 
 
 def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(digits, tmp_path):
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
-    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
+    ckpt = last_checkpoint(tmp_path)
     state = ckpt["state_dict"]
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     torchvision.models.resnet18(num_classes=10).load_state_dict(state)  # strict
@@ -36,10 +28,10 @@ def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(digits, tmp_
 
 def test_fp16_resume_continues_bit_exactly(digits, tmp_path):
     straight, first = tmp_path / "straight", tmp_path / "resumed"
-    assert main(argv(digits, straight, "--epochs", "2", "--fp16")) == 0
-    assert main(argv(digits, first, "--epochs", "1", "--fp16")) == 0
-    assert main(argv(digits, first, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
-    a, b = load(straight / "checkpoint.pth.tar"), load(first / "checkpoint.pth.tar")
+    assert main(tiny_run_args(digits, straight, "--epochs", "2", "--fp16")) == 0
+    assert main(tiny_run_args(digits, first, "--epochs", "1", "--fp16")) == 0
+    assert main(tiny_run_args(digits, first, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+    a, b = last_checkpoint(straight), last_checkpoint(first)
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
     assert a["precision"] == b["precision"]
@@ -50,19 +42,19 @@ def test_fp16_resume_continues_bit_exactly(digits, tmp_path):
 # (autocast float16 on a CPU runs fp16 convolutions at a crawl: the CPU tests use bfloat16)
 @pytest.mark.parametrize("then", [[], ["--amp", "--amp-dtype", "bfloat16"]])
 def test_switching_precision_between_save_and_resume(digits, tmp_path, then):
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
-    saved = load(tmp_path / "checkpoint.pth.tar")
-    assert main(argv(digits, tmp_path, "--epochs", "2", "--resume", "auto", *then)) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
+    saved = last_checkpoint(tmp_path)
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--resume", "auto", *then)) == 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["epoch"] for r in rows] == [0, 1]
     assert rows[1]["precision"] == (then and ("amp-bf16" if "bfloat16" in then else "amp-fp16") or "fp32")
-    resumed = load(tmp_path / "checkpoint.pth.tar")
+    resumed = last_checkpoint(tmp_path)
     assert not torch.equal(resumed["state_dict"]["fc.weight"], saved["state_dict"]["fc.weight"])
 
 
 def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(digits, tmp_path, monkeypatch):
-    assert main(argv(digits, tmp_path, "--epochs", "1")) == 0
-    saved = load(tmp_path / "checkpoint.pth.tar")["state_dict"]
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1")) == 0
+    saved = last_checkpoint(tmp_path)["state_dict"]
     seen = {}
     from imagenet import precision as prec_mod
     real = prec_mod.MasterWeightPrecision.load_model_state_dict
@@ -71,21 +63,21 @@ def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(digits, tmp_path, mo
         real(self, model, state)
         seen.update({n: m.detach().clone() for n, m in zip(self.names, self.masters)})
     monkeypatch.setattr(prec_mod.MasterWeightPrecision, "load_model_state_dict", spy)
-    assert main(argv(digits, tmp_path, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
     assert seen and all(torch.equal(seen[n], saved[n]) for n in seen)
 
 
 def test_persistent_nan_loss_stops_with_a_clear_error(digits, tmp_path, capsys):
     # A learning rate of 1e30 sends the weights to inf on the first step; every loss after is NaN.
-    code = main(argv(digits, tmp_path, "--epochs", "3", "--lr", "1e30", "--max-nonfinite-steps", "3",
-                     "-p", "1"))
+    code = main(tiny_run_args(digits, tmp_path, "--epochs", "3", "--lr", "1e30", "--max-nonfinite-steps", "3",
+                              "-p", "1"))
     err = capsys.readouterr().err
     assert code == 2
     assert "NaN/inf" in err and "--max-nonfinite-steps" in err and "Traceback" not in err
 
 
 def test_nan_check_can_be_disabled(digits, tmp_path):
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--lr", "1e30", "--max-nonfinite-steps", "0")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--lr", "1e30", "--max-nonfinite-steps", "0")) == 0
 
 
 def test_bf16_on_a_gpu_without_support_is_a_clear_error(monkeypatch):
@@ -108,36 +100,33 @@ def test_bad_precision_flags_exit_2(flags, capsys):
 
 
 def test_master_step_foreach_and_loop_agree():
-    from tests.test_precision import batches, small_net, train
-    from imagenet.precision import LossScaler, MasterWeightPrecision
     fast = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False))
     slow = MasterWeightPrecision(LossScaler(init_scale=256, dynamic=False), foreach=False)
-    train(fast, small_net(), batches(3))
-    train(slow, small_net(), batches(3))
+    train_steps(fast, small_net(), batches(3))
+    train_steps(slow, small_net(), batches(3))
     assert all(torch.equal(a, b) for a, b in zip(fast.masters, slow.masters))
 
 
 def test_evaluate_without_weights_is_refused(digits, tmp_path, capsys):
-    assert main(argv(digits, tmp_path, "-e")) == 2
+    assert main(tiny_run_args(digits, tmp_path, "-e")) == 2
     assert "--evaluate needs weights" in capsys.readouterr().err
 
 
 def test_start_epoch_moves_the_schedule_and_config_yaml_round_trips(digits, tmp_path):
-    assert main(argv(digits, tmp_path, "--epochs", "3", "--lr-schedule", "step", "--lr-step", "1",
-                     "--start-epoch", "2")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "3", "--lr-schedule", "step", "--lr-step", "1",
+                              "--start-epoch", "2")) == 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["epoch"] for r in rows] == [2]
     assert rows[0]["lr"] == pytest.approx(0.02 * 0.1 ** 2)  # the schedule at epoch 2, not at 0
     again = parse_config(["--config", str(tmp_path / "config.yaml")])
-    assert dataclasses.replace(again, config=None) == parse_config(argv(digits, tmp_path, "--epochs", "3",
-                                                                        "--lr-schedule", "step", "--lr-step",
-                                                                        "1", "--start-epoch", "2"))
+    assert dataclasses.replace(again, config=None) == parse_config(tiny_run_args(
+        digits, tmp_path, "--epochs", "3", "--lr-schedule", "step", "--lr-step", "1", "--start-epoch", "2"))
 
 
 @pytest.mark.parametrize("pipeline", ["fast", "classic"])
 def test_augmentation_recipe_flags_train(digits, tmp_path, pipeline):
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--auto-augment", "trivialaugment", "--random-erase",
-                     "0.25", "--label-smoothing", "0.1", "--data-pipeline", pipeline, "-j", "2")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--auto-augment", "trivialaugment", "--random-erase",
+                              "0.25", "--label-smoothing", "0.1", "--data-pipeline", pipeline, "-j", "2")) == 0
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert row["train_samples"] == 80 and row["val_samples"] == 80
 
@@ -145,7 +134,7 @@ def test_augmentation_recipe_flags_train(digits, tmp_path, pipeline):
 @pytest.mark.parametrize("mode,warns", [(["--fp16"], "--fp16"), (["--amp"], "--amp float16"),
                                         (["--amp", "--amp-dtype", "bfloat16"], None)])
 def test_half_precision_on_a_cpu_is_named_as_slow_with_the_bf16_alternative(digits, tmp_path, capsys, mode, warns):
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--prof", "1", *mode)) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--prof", "1", *mode)) == 0
     out = capsys.readouterr().out
     if warns:
         assert f"{warns} on a CPU runs about 36x slower than fp32" in out, out

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from imagenet.runner import main
-from tests.helpers import make_digits
+from tests.helpers import assert_same_run, make_digits
+from tests.helpers import last_checkpoint as weights
+from tests.helpers import resnet18_args as args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,11 +26,6 @@ def digits(tmp_path_factory):
     return str(root)
 
 
-def args(data, out, *extra):
-    return [data, "-a", "resnet18", "-b", "8", "-j", "2", "--image-size", "16", "--val-resize", "16", "-p", "1",
-            "--seed", "0", "--lr", "0.02", "--epochs", "2", "--output-dir", str(out), *extra]
-
-
 def signal_when(proc, prefix):
     """Read the run's output until a line starts with ``prefix``, then SIGTERM it; returns when."""
     for line in proc.stdout:
@@ -36,18 +33,6 @@ def signal_when(proc, prefix):
             proc.send_signal(signal.SIGTERM)
             return time.monotonic()
     pytest.fail(f"the run ended before printing {prefix!r}")
-
-
-def weights(out):
-    return torch.load(Path(out) / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
-
-
-def assert_same_run(a, b):
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
-    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +53,7 @@ def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, mo
 
         def hook(done, sums):
             on_step(done, sums)
-            if a[7] == 1 and done == 5:
+            if k["progress"].epoch == 1 and done == 5:
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
     monkeypatch.setattr("imagenet.runner.train_one_epoch", crash_after_save)

@@ -9,7 +9,7 @@ from imagenet.data import SafeImageFolder, SeededSampler, image_size_at, set_out
 from imagenet.decode import TrainDecoder, path_identity
 from imagenet.errors import UserError
 from imagenet.runner import main
-from tests.test_precision_runs import argv
+from tests.helpers import tiny_run_args
 
 
 def cfg(**kw):
@@ -68,8 +68,8 @@ def test_classic_and_fast_transforms_resize():
 
 
 def test_a_run_records_the_size_of_each_epoch(digits, tmp_path, capsys):
-    assert main(argv(digits, tmp_path, "--epochs", "3", "--progressive-resize", "8",
-                     "--progressive-ramp", "0:2")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "3", "--progressive-resize", "8",
+                              "--progressive-ramp", "0:2")) == 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["image_size"] for r in rows] == [8, 8, 16]
     assert all(r["val_samples"] == 80 for r in rows)  # validation stays at --image-size

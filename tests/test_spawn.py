@@ -1,7 +1,7 @@
 """--multiprocessing-distributed: the spawned workers follow every launch mode's exit contract.
 
 There is no GPU here, so the test starts the spawn path with two CPU processes over gloo
-(``spawn_per_gpu(cfg, nprocs=2)``, what ``main`` does with one process per visible GPU).
+(``spawn_per_gpu(cfg, run, nprocs=2)``, what ``main`` does with one process per visible GPU).
 """
 
 import os
@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 SPAWN = """
 import sys
 from imagenet.config import parse_config
-from imagenet.runner import spawn_per_gpu
-sys.exit(spawn_per_gpu(parse_config(sys.argv[1:]), nprocs=2))
+from imagenet.runner import run
+from imagenet.spawn import spawn_per_gpu
+sys.exit(spawn_per_gpu(parse_config(sys.argv[1:]), run, nprocs=2))
 """
 
 

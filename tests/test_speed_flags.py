@@ -13,8 +13,7 @@ from imagenet.errors import UserError
 from imagenet.models import compile_model
 from imagenet.runner import main
 from imagenet.distributed import free_port
-from tests.test_fused_step import fused_or_skip
-from tests.test_precision_runs import argv, load
+from tests.helpers import fused_or_skip, last_checkpoint, tiny_run_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,14 +31,15 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--fp16", "--compile", "reduce-overhead")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16", "--compile", "reduce-overhead")) == 0
     assert modes == ["reduce-overhead"]
-    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    ckpt = last_checkpoint(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in ckpt["state_dict"])
     torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt["state_dict"])
     row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
     assert row["val_samples"] == 80
-    assert main(argv(digits, tmp_path, "--epochs", "2", "--fp16", "--compile", "default", "--resume", "auto")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--fp16", "--compile", "default",
+                              "--resume", "auto")) == 0
     assert modes == ["reduce-overhead", None]
 
 
@@ -50,7 +50,7 @@ def test_compile_is_refused_under_data_parallel():
 
 
 def test_unknown_compile_mode_is_a_flag_error(digits, tmp_path, capsys):
-    assert main(argv(digits, tmp_path, "--compile", "fastest")) == 2
+    assert main(tiny_run_args(digits, tmp_path, "--compile", "fastest")) == 2
     assert "--compile" in capsys.readouterr().err
 
 
@@ -61,8 +61,8 @@ def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
     runs = {}
     for impl in ("foreach", "fused"):
         out = tmp_path / impl
-        assert main(argv(digits, out, "--epochs", "1", "--fp16", "--optimizer-impl", impl)) == 0
-        runs[impl] = (load(out / "checkpoint.pth.tar"), json.loads(open(out / "metrics.jsonl").readline()))
+        assert main(tiny_run_args(digits, out, "--epochs", "1", "--fp16", "--optimizer-impl", impl)) == 0
+        runs[impl] = (last_checkpoint(out), json.loads(open(out / "metrics.jsonl").readline()))
     (a, row_a), (b, row_b) = runs["foreach"], runs["fused"]
     assert a["optimizer"]["param_groups"][0]["foreach"] and b["optimizer"]["param_groups"][0]["fused"]
     assert row_a["skipped_steps"] == row_b["skipped_steps"] and row_a["loss_scale"] == row_b["loss_scale"]

@@ -6,14 +6,14 @@ import sys
 import pytest
 
 from imagenet.runner import main
-from tests.test_precision_runs import argv
+from tests.helpers import tiny_run_args
 
 
 def test_epoch_metrics_become_scalars(digits, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert main(argv(digits, tmp_path, "--epochs", "2", "--tensorboard")) == 0
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--tensorboard")) == 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -27,7 +27,7 @@ def test_epoch_metrics_become_scalars(digits, tmp_path):
 
 def test_missing_package_is_a_flag_error_before_training(digits, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    assert main(argv(digits, tmp_path, "--epochs", "1", "--tensorboard")) == 2
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--tensorboard")) == 2
     err = capsys.readouterr().err
     assert "pip install tensorboard" in err and "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()

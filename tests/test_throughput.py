@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 
 from imagenet.distributed import DistContext
-from imagenet.engine import LoopOptions, train_one_epoch
+from imagenet.engine import LoopOptions
 from imagenet.optim import build_optimizer
 from imagenet.precision import Precision
 from imagenet.runner import main
+from tests.helpers import epoch_of
 
 CPU = DistContext("cpu", torch.device("cpu"), "test")
 
@@ -59,8 +60,7 @@ def epoch(loader, model=None, ctx=CPU):
     opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 0.0, "foreach", ctx.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     start = time.perf_counter()
-    out = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, Precision(), ctx, 0,
-                          LoopOptions(print_freq=1000, input_shape=(3, 8, 8)))
+    out = epoch_of(model, loader, opt, sched, Precision(), ctx, LoopOptions(print_freq=1000, input_shape=(3, 8, 8)))
     return out, time.perf_counter() - start
 
 
@@ -73,26 +73,26 @@ def test_on_a_gpu_the_wait_is_the_devices_idle_time_not_the_hosts():
     torch.backends.cuda.matmul.allow_tf32 = False
     busy = Busy(12)
     out, _ = epoch(SlowLoader(40, lambda i: 0.01, device="cuda"), busy, gpu)
-    images, seconds, waited = out["steady"]
-    assert out["data_wait_frac"] < 0.05 and seconds / 30 > 0.02, (out["data_wait_frac"], seconds)
+    seconds = out.steady.seconds
+    assert out.data_wait_frac < 0.05 and seconds / 30 > 0.02, (out.data_wait_frac, seconds)
     slow, _ = epoch(SlowLoader(40, lambda i: 0.08, device="cuda"), busy, gpu)
-    assert slow["data_wait_frac"] > 0.4, slow["data_wait_frac"]
+    assert slow.data_wait_frac > 0.4, slow.data_wait_frac
 
 
 def test_img_per_s_leaves_out_the_first_steps():
     # The first batch takes a second (workers starting, compilation): the steady span starts
     # after the 10 warm-up steps, so neither that second nor those images are in the rate.
     out, seconds = epoch(SlowLoader(50, lambda i: 1.0 if i == 0 else 0.0))
-    images, steady_seconds, waited = out["steady"]
-    assert out["train_samples"] == 200 and images == 4 * 40
+    images, steady_seconds, waited = out.steady.images, out.steady.seconds, out.steady.waited
+    assert out.samples == 200 and images == 4 * 40
     assert steady_seconds < seconds - 0.9, (steady_seconds, seconds)
-    assert out["img_per_s"] == pytest.approx(images / steady_seconds)
-    assert out["data_wait_frac"] == pytest.approx(waited / steady_seconds) and waited < 0.5
+    assert out.img_per_s == pytest.approx(images / steady_seconds)
+    assert out.data_wait_frac == pytest.approx(waited / steady_seconds) and waited < 0.5
 
 
 def test_data_wait_frac_is_high_for_a_slow_loader():
     out, _ = epoch(SlowLoader(20, lambda i: 0.15))
-    assert out["data_wait_frac"] > 0.6, out["data_wait_frac"]
+    assert out.data_wait_frac > 0.6, out.data_wait_frac
 
 
 def dummy_run(out, *extra):

@@ -1,0 +1,69 @@
+"""Every private torch API the trainer relies on, each behind one function.
+
+torch offers no public way to do these things without a host synchronisation per step (or at
+all, for the scheduler), so the trainer uses them; keeping each behind one helper here means a
+torch release that renames or changes one breaks one function, and tests/test_torch_private.py
+names the attribute that moved.
+
+* :func:`grad_scaler_scale` -- ``torch.amp.GradScaler._scale``, the scale as a device tensor.
+* :func:`amp_update_scale_` -- ``torch._amp_update_scale_``, a dynamic loss scale updated on the device.
+* :func:`amp_unscale_and_check_` -- ``torch._amp_foreach_non_finite_check_and_unscale_``.
+* :func:`foreach_copy_` -- ``torch._foreach_copy_``, one multi-tensor copy.
+* :func:`takes_found_inf` / :func:`step_skipping_on_device` -- an optimizer's
+  ``_step_supports_amp_scaling`` and the ``found_inf`` / ``grad_scale`` attributes its
+  ``step()`` reads (the fused kernels skip an overflowing step on the device).
+* :func:`set_last_lr` -- ``LRScheduler._last_lr``, what ``get_last_lr()`` answers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def grad_scaler_scale(scaler: torch.amp.GradScaler) -> Optional[torch.Tensor]:
+    """The scaler's current scale as its 0-dim float32 device tensor (None before the first
+    ``scale()``); reading it does not wait for the device, unlike ``get_scale()``."""
+    return getattr(scaler, "_scale", None)
+
+
+def amp_update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                      growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    """In place on the device: ``scale *= backoff_factor`` and ``growth_tracker = 0`` if
+    ``found_inf`` (1.0), else ``growth_tracker += 1`` and, once it reaches ``growth_interval``,
+    ``scale *= growth_factor`` and ``growth_tracker = 0``."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+
+
+def amp_unscale_and_check_(tensors: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply every tensor of ``tensors`` by ``inv_scale`` (a 1-element tensor) in place and set
+    ``found_inf`` (a 1-element float tensor) to 1.0 if any value is inf or NaN; it is never reset."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def foreach_copy_(dst: list, src: list) -> None:
+    """``d.copy_(s)`` for every pair, as one multi-tensor kernel where the lists allow it."""
+    torch._foreach_copy_(dst, src)
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` reads ``optimizer.found_inf`` / ``grad_scale`` itself (torch's
+    fused optimizers), so that a step flagged as overflowing is skipped on the device."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` over already unscaled gradients, leaving the weights and the optimizer
+    state alone if ``found_inf`` (a 1-element float tensor) is 1.0; nothing waits for the host.
+    Only for an optimizer that :func:`takes_found_inf`."""
+    optimizer.found_inf, optimizer.grad_scale = found_inf, None
+    try:
+        optimizer.step()
+    finally:
+        optimizer.found_inf = optimizer.grad_scale = None
+
+
+def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list) -> None:
+    """Make ``scheduler.get_last_lr()`` answer ``lrs`` (after the learning rates were set by hand)."""
+    scheduler._last_lr = lrs
