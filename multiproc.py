@@ -1,40 +1,91 @@
-"""Start one training process per GPU, the way torchrun does, without importing any training code.
+"""Start one training process per GPU on torch's elastic agent (what torchrun runs), with restarts.
 
 Usage::
 
-    python -m multiproc [--nproc-per-node N] [--nnodes N --node-rank R --master-addr A
-                        --master-port P] [--log-dir D] [--grace-period S] main.py [trainer flags]
+    python -m multiproc [--nproc-per-node N] [--max-restarts N] [--log-dir D] [--grace-period S]
+                        [--nnodes N --node-rank R --master-addr A --master-port P]
+                        [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT [--rdzv-id ID]]
+                        main.py [trainer flags]
 
 Launcher flags come before the script path; everything after it goes to the script verbatim.
 Each flag also accepts the underscore spelling torchrun accepts (``--nproc_per_node``).
 
-For local rank ``i`` of this node the launcher runs ``python -u SCRIPT ARGS`` with the environment
-torchrun sets: ``RANK = node_rank * N + i``, ``LOCAL_RANK = i``, ``WORLD_SIZE = nnodes * N``,
-``LOCAL_WORLD_SIZE = N``, ``GROUP_RANK = node_rank``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+The processes are started, watched and restarted by ``torch.distributed.elastic``'s agent, so
+each gets torchrun's environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT`` and the rest.
 ``N`` defaults to the number of visible GPUs (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``).
-On one node the master port defaults to a free one; with several nodes every node must be given
-the same ``--master-port`` (and ``--master-addr`` of node 0).
+``OMP_NUM_THREADS`` is 1 in each process when there are several and it is not set, as torchrun
+does. How the nodes meet:
+
+* one node, no flags: a c10d rendezvous whose store the agent opens on a port the OS picks at
+  bind time (nothing can take the port between choosing and binding it);
+* ``--nnodes N --node-rank R --master-addr A --master-port P``: torchrun's static rendezvous,
+  every node given node 0's address and the same port;
+* ``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT``: c10d, the same endpoint on every node; ranks
+  are assigned at each (re)start and MIN..MAX nodes may take part.
+
+Restarts need c10d: each attempt gets a new store for the processes (torch's agent would keep the
+failed attempt's, whose keys, the dead peers' addresses among them, mislead a new gloo or NCCL
+group), which the static rendezvous cannot do.
 
 The first process of this node writes to the terminal; the others write to
-``LOG_DIR/GPU_<global rank>.log``. If one process fails, the others get SIGTERM, then SIGKILL
-after the grace period, and the launcher exits with the failing process's status (128 + signal
-number for a death by signal). SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded.
+``LOG_DIR/GPU_<global rank>.log`` (appended to after a restart). If one process fails, the
+others get SIGTERM, then SIGKILL after the grace period. With ``--max-restarts N`` the group is
+then started again, up to N times (main.py resumes from its newest checkpoint). Not after a rank
+that stopped with a user error (status 2: it would fail the same way), nor after one that a stop
+signal ended (128 + SIGINT/SIGTERM/SIGHUP/SIGUSR1: SLURM signals every process). The launcher exits
+with the failing process's status (128 + signal number for a death by signal), 0 when the
+(restarted) group finished. SIGINT, SIGTERM, SIGHUP and SIGUSR1 sent to the launcher are
+forwarded and end the run without a restart; a second one stops at once (SIGKILL).
 
 CPU only (no GPUs): ``python -m multiproc --nproc-per-node 2 main.py --dist-backend gloo ...``.
+Importing this module imports neither torch nor training code; the launch does (torch's agent).
 """
 import argparse
+import inspect
+import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 POLL_S = 0.1  # how often children are polled; short enough that a failure stops the rest at once
-# SIGHUP is forwarded too: children run in their own sessions (see spawn), so a closed terminal
-# would otherwise leave them running with nowhere to write.
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGHUP is forwarded too: children run in their own sessions (torch's agent starts them so), so
+# a closed terminal would otherwise leave them running with nowhere to write. SIGUSR1 is SLURM's
+# advance warning (#SBATCH --signal=USR1@120): main.py checkpoints and exits on it.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+DEFAULT_RDZV_PORT = 29400  # torchrun's, for --rdzv-endpoint HOST without a port
+USER_ERROR = 2  # main.py's exit status for a mistake a restart would only repeat
+# A rank that ended with 128 + one of these stopped on request (main.py checkpoints first): SLURM
+# signals every process of a job step, so the ranks may be done before the launcher's own copy
+# of the signal arrives. Not a failure to restart from.
+STOP_STATUSES = {128 + int(s): s for s in FORWARDED_SIGNALS}
+
+# Each child starts as this shim, which points its output at the rank's log file (all but local
+# rank 0) and then execs the script in its place: same pid, no process in between. torch's agent
+# would open stdout and stderr as two files; one file with O_APPEND keeps both in order.
+_CHILD = """\
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [%s])  # blocked by the launcher while it spawns
+log_dir, argv = sys.argv[1], sys.argv[2:]
+if os.environ.get("LOCAL_RANK", "0") != "0":
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    fd = os.open(os.path.join(log_dir, "GPU_" + os.environ["RANK"] + ".log"),
+                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if restart else os.O_TRUNC), 0o666)
+    if restart:
+        os.write(fd, b"multiproc: restart %%d\\n" %% restart)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+os.execv(sys.executable, [sys.executable, "-u"] + argv)
+""" % ", ".join(str(int(s)) for s in FORWARDED_SIGNALS)
 
 
 class UsageError(Exception):
@@ -50,16 +101,24 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv):
     """Parse launcher flags; the script path and everything after it are kept apart."""
     p = _Parser(prog="python -m multiproc", allow_abbrev=False,
-                description="Run SCRIPT once per GPU with torchrun's environment contract.")
+                description="Run SCRIPT once per GPU on torch's elastic agent, with torchrun's "
+                            "environment contract.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N",
                    help="processes on this node (default: number of visible GPUs)")
-    p.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
-                   help="rank of this node, 0..nnodes-1 (default 0)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="A",
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="number of nodes, or a range with --rdzv-endpoint (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R",
+                   help="rank of this node, 0..nnodes-1, with --master-port (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default=None, metavar="A",
                    help="address of node 0 (default 127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
-                   help="port on node 0; required with --nnodes > 1 (default: a free port)")
+                   help="port on node 0, the same on every node (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                   help=f"c10d rendezvous, the same on every node (port default {DEFAULT_RDZV_PORT})")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", metavar="ID",
+                   help="job id shared by the nodes of one c10d rendezvous (default none)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="N",
+                   help="restart the processes up to N times after a failure (default 0)")
     p.add_argument("--log-dir", "--log_dir", default=".", metavar="D",
                    help="where GPU_<rank>.log files of the non-terminal ranks go (default .)")
     p.add_argument("--grace-period", "--grace_period", type=float, default=60.0, metavar="S",
@@ -69,19 +128,69 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def parse_nnodes(value):
+    """``N`` or ``MIN:MAX`` -> (min, max)."""
+    parts = value.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or not 1 <= lo <= hi:
+        raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {value}")
+    return lo, hi
+
+
+def parse_endpoint(value):
+    """``HOST[:PORT]`` -> (host, port), the port torchrun's default when left out."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep:
+        host, port = value.strip(), str(DEFAULT_RDZV_PORT)
+    host = host.strip("[]")  # [::1]:29400
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {value!r}")
+    return host, int(port)
+
+
 def validate(args):
-    """Check the flags that argparse can't, and fill in nproc_per_node and master_port."""
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be at least 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise UsageError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    """Check the flags that argparse can't; fill in nproc_per_node and the rendezvous.
+
+    Sets ``args.rdzv`` to (backend, endpoint, run_id, min_nodes, max_nodes, local_addr, config).
+    """
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.grace_period < 0:
         raise UsageError(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
-    if args.nnodes > 1 and args.master_port is None:
-        raise UsageError("--master-port is required with --nnodes > 1: every node must be given "
-                         "the same port (and --master-addr of node 0)")
+    if args.rdzv_endpoint is not None:
+        if args.master_port is not None or args.master_addr is not None or args.node_rank is not None:
+            raise UsageError("--rdzv-endpoint (c10d: ranks assigned at each start) and --master-addr/"
+                             "--master-port/--node-rank (static) are two ways for nodes to meet; give one")
+        host, port = parse_endpoint(args.rdzv_endpoint)
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+        args.rdzv = ("c10d", where, args.rdzv_id, min_nodes, max_nodes, None, {})
+    else:
+        if min_nodes != max_nodes:
+            raise UsageError(f"--nnodes {args.nnodes} (a range of nodes) needs a c10d rendezvous: "
+                             "add --rdzv-endpoint HOST:PORT, the same on every node")
+        node_rank = 0 if args.node_rank is None else args.node_rank
+        if not 0 <= node_rank < min_nodes:
+            raise UsageError(f"--node-rank must be in 0..{min_nodes - 1}, got {node_rank}")
+        if min_nodes > 1 and args.master_port is None:
+            raise UsageError("--master-port is required with --nnodes > 1: every node must be given "
+                             "the same port (and --master-addr of node 0), or use --rdzv-endpoint HOST:PORT")
+        addr = args.master_addr or "127.0.0.1"
+        if args.master_port is None:  # one node: the store binds port 0, the OS picks a free one
+            args.rdzv = ("c10d", f"{addr}:0", str(uuid.uuid4()), 1, 1, addr, {})
+        elif args.max_restarts:
+            raise UsageError("--max-restarts needs the c10d rendezvous: the static one (--master-port) "
+                             "keeps one store, whose keys from the failed attempt would mislead the "
+                             "restarted processes; drop --master-port on one node, or give every node "
+                             "--rdzv-endpoint HOST:PORT")
+        else:
+            args.rdzv = ("static", f"{addr}:{args.master_port}", "none", min_nodes, min_nodes, None,
+                         {"rank": node_rank})
     if not os.path.exists(args.script):
         raise UsageError(f"script not found: {args.script}")
     if args.nproc_per_node is None:
@@ -91,8 +200,6 @@ def validate(args):
                              "and give the script --dist-backend gloo")
     elif args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    if args.master_port is None:
-        args.master_port = free_port()
 
 
 def visible_gpu_count():
@@ -103,7 +210,7 @@ def visible_gpu_count():
     count = _nvidia_smi_gpu_count()
     if count is not None:
         return count
-    try:  # last resort: torch is slow to import and the launcher doesn't otherwise need it
+    try:  # last resort: torch is slow to import
         import torch
         return torch.cuda.device_count()
     except Exception:
@@ -135,46 +242,16 @@ def _nvidia_smi_gpu_count():
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def free_port():
-    """A TCP port nothing listens on now (another program may still take it before rank 0 does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def child_env(args, local_rank):
-    """The environment of one child: ours plus torchrun's contract."""
-    n = args.nproc_per_node
-    env = dict(os.environ)
-    env.update(RANK=str(args.node_rank * n + local_rank), LOCAL_RANK=str(local_rank),
-               WORLD_SIZE=str(args.nnodes * n), LOCAL_WORLD_SIZE=str(n),
-               GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
-               MASTER_PORT=str(args.master_port))
-    # NVLink multicast (NVLS) must stay off on our machines unless the user asks otherwise.
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    return env
-
-
-def spawn(args, procs):
-    """Start the children, appending each Popen to ``procs`` as it starts (so a failure midway
-    still lets the caller stop the ones already running)."""
-    cmd = [sys.executable, "-u", args.script] + args.script_args
-    for local_rank in range(args.nproc_per_node):
-        env = child_env(args, local_rank)
-        if local_rank == 0:
-            stdin = stdout = None  # inherit the terminal
-        else:
-            stdin = subprocess.DEVNULL
-            stdout = open(log_path(args.log_dir, env["RANK"]), "w")
-        try:
-            # A session of its own per child: killpg then also reaches its DataLoader workers, and
-            # a terminal Ctrl-C reaches only the launcher, which forwards it exactly once.
-            procs.append(subprocess.Popen(cmd, env=env, stdin=stdin, stdout=stdout,
-                                          stderr=subprocess.STDOUT if stdout else None,
-                                          start_new_session=True))
-        finally:
-            if stdout is not None:
-                stdout.close()  # the child holds its own copy
+def launcher_env(environ, nproc_per_node):
+    """Variables the launcher adds to its own environment, which every child inherits."""
+    extra = {}
+    # NVLink multicast (NVLS) stays off unless the user sets NCCL_NVLS_ENABLE: on shared hosts a program
+    # using it can take the GPUs out of service for others; the all-reduces here do not need it.
+    if "NCCL_NVLS_ENABLE" not in environ:
+        extra["NCCL_NVLS_ENABLE"] = "0"
+    if "OMP_NUM_THREADS" not in environ and nproc_per_node > 1:
+        extra["OMP_NUM_THREADS"] = "1"  # torchrun's default: N processes would oversubscribe the cores
+    return extra
 
 
 def log_path(log_dir, rank):
@@ -202,64 +279,280 @@ def signal_all(procs, sig):
                 pass
 
 
-def first_failure(codes):
-    """(index, exit status) of the first child in ``codes`` that exited non-zero, else None."""
-    for i, code in enumerate(codes):
-        if code:  # None: still running; 0: success
-            return i, exit_status(code)
-    return None
-
-
-def supervise(args, procs, received):
-    """Wait for the children; stop them all on the first failure or on a signal we received.
-
-    Returns the launcher's exit status: the first failing child's, else 128 + the received
-    signal's number, else 0.
-    """
-    failed = None  # exit status of the first child that failed
-    kill_at = None  # when SIGKILL follows the SIGTERM (or forwarded signal) already sent
-    signals_seen = 0
-    first_rank = args.node_rank * args.nproc_per_node
-    while True:
-        codes = [p.poll() for p in procs]
-        failure = first_failure(codes) if failed is None else None
-        if failure:
-            i, failed = failure
-            if kill_at is None:  # deaths we caused ourselves are not news
-                where = "this terminal" if i == 0 else log_path(args.log_dir, first_rank + i)
-                _say(f"rank {first_rank + i} exited with status {failed} (output: {where})")
-        if all(code is not None for code in codes):
-            break
-        if kill_at is None and (failed is not None or received):
-            sig = received[0] if received else signal.SIGTERM
-            name = signal.Signals(sig).name
-            _say(f"got {name}; forwarding it" if received else f"sending {name} to the others")
-            signals_seen = len(received)
-            signal_all(procs, sig)
-            kill_at = time.monotonic() + args.grace_period
-        elif kill_at is not None and (time.monotonic() >= kill_at or len(received) > signals_seen):
-            # Grace period over, or the user signalled again (a second Ctrl-C): stop waiting.
-            _say("sending SIGKILL to the processes still running")
-            signal_all(procs, signal.SIGKILL)
-            kill_at, signals_seen = float("inf"), float("inf")
-        time.sleep(POLL_S)
-    if failed is not None:
-        return failed
-    return 128 + received[0] if received else 0
+def root_cause(codes):
+    """Index of the child that failed first among ``codes`` (returncodes, None: running), else
+    None. Of several found dead in one poll, one killed by a signal comes first: the others
+    most likely failed because it was gone."""
+    failed = [i for i, code in enumerate(codes) if code]
+    if not failed:
+        return None
+    return min(failed, key=lambda i: (codes[i] > 0, i))
 
 
 def _say(message):
     print(f"multiproc: {message}", file=sys.stderr, flush=True)
 
 
-def install_handlers(received):
-    """Record forwarded signals in ``received``; returns the previous handlers, to restore."""
-    previous = {}
-    for sig in FORWARDED_SIGNALS:
-        # An ignored signal stays ignored: `nohup` and background jobs rely on that.
-        if signal.getsignal(sig) != signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
-    return previous
+class _Stop(Exception):
+    """A forwarded signal arrived while no child was running."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Launch:
+    """One run of the launcher: its flags, the signals it got, and what the children did."""
+
+    def __init__(self, args):
+        self.args = args
+        self.received = []  # forwarded signals, in order of arrival
+        self.live = False  # children are running: signals are acted on by supervise()
+        self.stop_requested = False  # a signal ended the run: no restart
+        self.failure = None  # (global rank, exit status) that ended the current attempt
+        self.idle_exception = _Stop
+        self.omp_default = False  # the launcher chose OMP_NUM_THREADS=1
+        self._ignored = None  # signals ignored when the launcher started
+
+    # -- signals -----------------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        self.received.append(signum)
+        if not self.live and self.idle_exception is not None:
+            raise self.idle_exception(signum)  # in a rendezvous or between attempts: stop here
+
+    def install_handlers(self):
+        """Our handler for the forwarded signals (again after torch's agent put its own)."""
+        if self._ignored is None:  # `nohup` and background jobs rely on these staying ignored
+            self._ignored = {s for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
+        for sig in FORWARDED_SIGNALS:
+            if sig in self._ignored:
+                signal.signal(sig, signal.SIG_IGN)
+                continue
+            signal.signal(sig, self._on_signal)
+
+    def finished(self):
+        """The agent is done: a signal arriving now (SLURM sends one to every process of the
+        step, the ranks may have stopped on theirs already) must not cut the exit short."""
+        self.idle_exception = None
+
+    # -- the children ------------------------------------------------------------------------
+    def announce(self, group, restart, max_restarts):
+        n, args = self.args.nproc_per_node, self.args
+        ranks = [w.global_rank for w in group.workers]
+        first = ranks[0]
+        others = (f"rank {ranks[1]} logs" if n == 2 else f"ranks {ranks[1]}..{ranks[-1]} log") if n > 1 else ""
+        logs = f"; {others} to {log_path(args.log_dir, '<rank>')}" if n > 1 else ""
+        again = f"restart {restart} of {max_restarts}: " if restart else ""
+        omp = ("; OMP_NUM_THREADS=1 in each (torchrun's default; set it to change)"
+               if self.omp_default and not restart else "")
+        _say(f"{again}starting {n} process{'es' if n > 1 else ''} (node {group.group_rank} of "
+             f"{group.group_world_size}, world size {group.workers[0].world_size}, master "
+             f"{group.master_addr}:{group.master_port}); rank {first} on this terminal{logs}{omp}")
+
+    def supervise(self, procs, ranks):
+        """Act on a failed child or a received signal: stop every child (SIGTERM or the signal,
+        SIGKILL after the grace period or a further signal). Returns at once when neither."""
+        codes = [p.poll() for p in procs]
+        new_signal = len(self.received) > 0 and not self.stop_requested
+        failed = root_cause(codes)
+        if failed is None and not new_signal:
+            return
+        if new_signal:
+            self.stop_requested = True
+            sig = self.received[0]
+            _say(f"got {signal.Signals(sig).name}; forwarding it")
+        else:
+            status = exit_status(codes[failed])
+            self.failure = (ranks[failed], status)
+            where = "output: " + ("this terminal" if failed == 0 else log_path(self.args.log_dir, ranks[failed]))
+            how = f", killed by {signal.Signals(-codes[failed]).name}" if codes[failed] < 0 else ""
+            _say(f"rank {ranks[failed]} exited with status {status} ({where}{how})")
+            sig = signal.SIGTERM
+            if any(code is None for code in codes):
+                _say("sending SIGTERM to the others")
+        self._stop(procs, ranks, sig)
+
+    def _stop(self, procs, ranks, sig):
+        signal_all(procs, sig)
+        kill_at, seen = time.monotonic() + self.args.grace_period, len(self.received)
+        while True:
+            codes = [p.poll() for p in procs]
+            if self.failure is None:  # a stop we asked for: report the first non-zero status
+                first = next((i for i, code in enumerate(codes) if code), None)
+                if first is not None:
+                    self.failure = (ranks[first], exit_status(codes[first]))
+            if all(code is not None for code in codes):
+                return
+            if kill_at is not None and (time.monotonic() >= kill_at or len(self.received) > seen):
+                # Grace period over, or the user signalled again (a second Ctrl-C): stop waiting.
+                _say("sending SIGKILL to the processes still running")
+                signal_all(procs, signal.SIGKILL)
+                kill_at = None
+            time.sleep(POLL_S)
+
+    def after_failure(self, restarts_left, max_restarts):
+        """Say what happens after a failed attempt; returns the restarts still allowed."""
+        if self.received:  # stopped on request (or signalled while stopping): no restart
+            return 0
+        rank, status = self.failure or ("?", 1)
+        if restarts_left and status == USER_ERROR:
+            _say(f"not restarting: rank {rank} stopped with a user error (status {USER_ERROR}), which a "
+                 "restart would repeat; its message says what to change")
+            return 0
+        if restarts_left and status in STOP_STATUSES:
+            _say(f"not restarting: rank {rank} was stopped by {STOP_STATUSES[status].name} (status {status}), "
+                 "a stop request rather than a failure")
+            return 0
+        if not restarts_left and max_restarts:
+            _say(f"no restarts left ({max_restarts} used); stopping")
+        return restarts_left
+
+    def status(self):
+        """The launcher's exit status once the agent is done."""
+        if self.failure is not None:
+            return self.failure[1]
+        return 128 + self.received[0] if self.received else 0
+
+
+def _agent_class():
+    """torch's LocalElasticAgent, with this launcher's failure, signal and log handling."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        launch: Launch
+
+        def _rendezvous(self, worker_group):
+            handler = worker_group.spec.rdzv_handler
+            if getattr(handler, "_bootstrap_store_info", None) is not None:
+                # A restart. The processes' store (MASTER_ADDR:MASTER_PORT) still holds the keys
+                # of the attempt that failed, and a restarted gloo or NCCL group would read the
+                # dead peers' addresses from it: drop it, so the rendezvous round opens a new
+                # one (on a port the OS picks) and tells every node where.
+                handler._bootstrap_store_info = None
+                handler._shared_tcp_store_server = None
+            try:
+                return super()._rendezvous(worker_group)
+            except Exception as e:
+                if type(e).__name__ == "SignalException":
+                    raise
+                raise _RendezvousFailed(e) from e
+
+        def _start_workers(self, worker_group):
+            spec = worker_group.spec
+            restart = spec.max_restarts - self._remaining_restarts
+            self.launch.announce(worker_group, restart, spec.max_restarts)
+            self.launch.failure = None
+            # The agent installs its own handlers while it spawns: block ours until the children
+            # exist and our handlers are back (the shim unblocks them in each child).
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+            try:
+                ids = super()._start_workers(worker_group)
+                self.launch.install_handlers()
+                self.launch.live = True
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            return ids
+
+        def _monitor_workers(self, worker_group):
+            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+            if handlers:
+                local = sorted(handlers)
+                self.launch.supervise([handlers[i].proc for i in local],
+                                      [worker_group.workers[i].global_rank for i in local])
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self.launch.live = False
+                if result.is_failed():
+                    if self.launch.failure is None and result.failures:
+                        rank, f = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+                        self.launch.failure = (rank, exit_status(f.exitcode))
+                    self._remaining_restarts = self.launch.after_failure(
+                        self._remaining_restarts, worker_group.spec.max_restarts)
+            return result
+
+    return Agent
+
+
+class _RendezvousFailed(Exception):
+    """The nodes could not meet (address, port, other nodes): a user-fixable error."""
+
+
+def _quiet_torch_logs():
+    """torch's agent logs every step at WARNING and above; this launcher says what matters in
+    one line each. LOGLEVEL=INFO (as for torchrun) shows torch's own lines again."""
+    if not os.environ.get("LOGLEVEL"):  # call after importing torch, which sets its loggers up
+        log = logging.getLogger("torch.distributed.elastic")
+        log.addHandler(logging.NullHandler())
+        log.propagate = False
+
+
+def launch(args):
+    """Run the agent until the group finished, failed past its restarts, or was stopped."""
+    run = Launch(args)
+    run.install_handlers()  # before anything starts, so no signal slips between
+    tmp = None
+    try:
+        extra = launcher_env(os.environ, args.nproc_per_node)
+        run.omp_default = "OMP_NUM_THREADS" in extra
+        os.environ.update(extra)
+        # torch's handlers go on these signals while the agent spawns; ignored ones stay ignored.
+        handled = [s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if s not in run._ignored]
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(handled + ["SIGQUIT"])
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import registry
+        _quiet_torch_logs()
+        run.idle_exception = lambda signum: SignalException(signal.Signals(signum).name,
+                                                            sigval=signal.Signals(signum))
+        backend, endpoint, run_id, min_nodes, max_nodes, local_addr, config = args.rdzv
+        params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
+                                      max_nodes=max_nodes, local_addr=local_addr, **config)
+        try:
+            handler = registry.get_rendezvous_handler(params)
+        except Exception as e:
+            raise _RendezvousFailed(e) from e
+        spec = WorkerSpec(role="trainer", local_world_size=args.nproc_per_node, entrypoint=sys.executable,
+                          args=("-S", "-c", _CHILD, args.log_dir, args.script, *args.script_args),
+                          rdzv_handler=handler, max_restarts=args.max_restarts, monitor_interval=POLL_S,
+                          local_addr=local_addr)
+        # torch's per-attempt folders for the error files it gives each child: ours to delete
+        tmp = tempfile.mkdtemp(prefix="multiproc-")
+        Agent = _agent_class()
+        options = {"shutdown_timeout": max(1, int(round(args.grace_period)))}
+        accepted = inspect.signature(Agent.__init__).parameters
+        agent = Agent(spec, DefaultLogsSpecs(log_dir=tmp),
+                      **{k: v for k, v in options.items() if k in accepted})
+        agent.launch = run
+        shutdown = True
+        try:
+            agent.run()
+        except SignalException:
+            shutdown = False  # as torchrun: a signalled agent leaves the rendezvous open
+            raise
+        finally:
+            if shutdown:
+                handler.shutdown()
+        return run.status()
+    except _Stop:
+        return run.status()
+    except _RendezvousFailed as e:
+        cause = e.__cause__ or e
+        text = str(cause).strip().splitlines()
+        where = args.rdzv[1]
+        _say(f"error: the rendezvous at {where} failed ({type(cause).__name__}: {text[0] if text else ''}); "
+             "check that the address is this or a reachable host, the port is free (or the same on every "
+             "node) and every node gives the same --nnodes")
+        return 2
+    except Exception as e:
+        if type(e).__name__ == "SignalException":
+            return run.status()
+        raise
+    finally:
+        run.finished()  # the handlers stay until the process exits
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv=None):
@@ -271,28 +564,7 @@ def main(argv=None):
     except (UsageError, OSError) as e:
         _say(f"error: {e}")
         return 2
-    n, first = args.nproc_per_node, args.node_rank * args.nproc_per_node
-    others = f"rank {first + 1} logs" if n == 2 else f"ranks {first + 1}..{first + n - 1} log"
-    logs = f"; {others} to {log_path(args.log_dir, '<rank>')}" if n > 1 else ""
-    _say(f"starting {n} process{'es' if n > 1 else ''} (node {args.node_rank} of {args.nnodes}, "
-         f"world size {args.nnodes * n}, master {args.master_addr}:{args.master_port}); "
-         f"rank {first} on this terminal{logs}")
-    received = []
-    previous = install_handlers(received)  # before spawning, so no signal slips between
-    procs = []
-    try:
-        try:
-            spawn(args, procs)
-        except OSError as e:
-            _say(f"error: could not start rank {first + len(procs)}: {e}")
-            signal_all(procs, signal.SIGKILL)
-            for p in procs:
-                p.wait()
-            return 2
-        return supervise(args, procs, received)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return launch(args)
 
 
 if __name__ == "__main__":

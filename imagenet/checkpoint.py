@@ -3,7 +3,10 @@
 A checkpoint is a plain dict of tensors and Python primitives, so it loads without unpickling
 arbitrary objects. Writes go to a temporary file in the same folder, are flushed to disk, and
 then renamed over the old file: a crash at any moment leaves either the old or the new
-checkpoint, never a torn one.
+checkpoint, never a torn one. The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``,
+so a latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one
+to fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads
+a flipped byte without complaint) and takes the newest intact one.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import logging
 import os
 import pickle
 import random
+import shutil
 import tempfile
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -23,20 +28,30 @@ from .errors import UserError
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pth.tar"
+PREVIOUS = "checkpoint.prev.pth.tar"  # the checkpoint before the latest: --resume auto's fallback
 BEST = "model_best.pth.tar"
 FORMAT_VERSION = 1
 
 
-def atomic_save(obj: dict, path: str) -> None:
-    """``torch.save`` to ``path`` atomically; on failure the previous file is untouched."""
-    folder = os.path.dirname(os.path.abspath(path))
-    prefix = ".tmp-" + os.path.basename(path) + "."
-    for stale in os.listdir(folder):  # left by a writer that was killed mid-save
+def _remove_stale(folder: str, prefix: str) -> None:
+    """Delete temp files named ``prefix*`` that a writer killed mid-save left behind."""
+    for stale in os.listdir(folder):
         if stale.startswith(prefix):
             try:
                 os.unlink(os.path.join(folder, stale))
             except OSError:
                 pass
+
+
+def atomic_save(obj: dict, path: str, previous: Optional[str] = None) -> None:
+    """``torch.save`` to ``path`` atomically; on failure the previous file is untouched.
+
+    With ``previous``, the file ``path`` held until now becomes ``previous`` (a hard link, or a
+    copy where the file system has none) just before the new one takes its place, so ``path``
+    itself is never missing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = ".tmp-" + os.path.basename(path) + "."
+    _remove_stale(folder, prefix)
     fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
     try:
         umask = os.umask(0)
@@ -46,12 +61,36 @@ def atomic_save(obj: dict, path: str) -> None:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        if previous is not None and os.path.isfile(path):
+            _keep_as(path, previous)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:  # make the rename itself durable
+    _fsync_folder(folder)  # make the renames themselves durable
+
+
+def _keep_as(path: str, previous: str) -> None:
+    """Make ``previous`` a second name (or a copy) of ``path``, atomically; ``path`` stays."""
+    folder = os.path.dirname(os.path.abspath(previous))
+    prefix = ".tmp-" + os.path.basename(previous) + "."
+    _remove_stale(folder, prefix)
+    tmp = os.path.join(folder, f"{prefix}{os.getpid()}")
+    try:
+        try:
+            os.link(path, tmp)
+        except OSError:  # no hard links on this file system (some network and FUSE mounts)
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, previous)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -62,10 +101,11 @@ def atomic_save(obj: dict, path: str) -> None:
 
 
 def save_checkpoint(state: dict, output_dir: str, is_best: bool) -> str:
-    """Write ``checkpoint.pth.tar`` (and ``model_best.pth.tar`` when ``is_best``)."""
+    """Write ``checkpoint.pth.tar`` (and ``model_best.pth.tar`` when ``is_best``); the checkpoint
+    it replaces becomes ``checkpoint.prev.pth.tar``."""
     path = os.path.join(output_dir, CHECKPOINT)
     try:
-        atomic_save(state, path)
+        atomic_save(state, path, previous=os.path.join(output_dir, PREVIOUS))
         if is_best:
             atomic_save(state, os.path.join(output_dir, BEST))
     except (OSError, RuntimeError) as e:
@@ -141,20 +181,84 @@ def restore_rng(state: Optional[dict]) -> None:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def resolve_resume(resume: str, output_dir: str) -> Optional[str]:
-    """The checkpoint to resume from: ``auto`` means the output dir's, when there is one."""
+def damage(path: str) -> Optional[str]:
+    """Why the checkpoint file ``path`` cannot be read back whole, or None when it can.
+
+    torch.save writes a zip archive: a truncated file has no central directory, and every
+    stored record carries a CRC32 that a flipped byte breaks (torch.load does not check them:
+    a corrupt tensor would load silently). Reading the CRCs costs one pass over the file and
+    unpickles nothing. A file in torch's older, non-zip format gets a full safe load instead.
+    """
+    try:
+        if not zipfile.is_zipfile(path):
+            try:
+                read_checkpoint(path)
+            except UserError:
+                return "truncated, or not a PyTorch checkpoint"
+            return None
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+        return f"record {bad} fails its CRC check: the file is corrupt" if bad else None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as e:
+        return f"truncated or corrupt ({type(e).__name__}: {e})"
+
+
+def resolve_resume(resume: str, output_dir: str, restarted: bool = False) -> Optional[str]:
+    """The checkpoint to resume from, or None to start fresh.
+
+    ``auto`` means the newest intact checkpoint of the output dir, when there is one:
+    ``checkpoint.pth.tar``, else (unreadable, with a warning naming both) the one before it,
+    ``checkpoint.prev.pth.tar``. ``restarted`` says this process was restarted after a failure
+    by an elastic launcher (``python -m multiproc --max-restarts N``, torchrun): it then resumes
+    as ``auto`` does, with or without ``--resume``, so the group continues where it was; a
+    ``--resume PATH`` it was started with counts only while the output dir has no checkpoint yet.
+    """
+    if restarted:
+        found = _newest_intact(output_dir, "a restarted process (after a failure in the group)")
+        if found:
+            logger.warning("=> restarted after a failure in the process group: resuming from the newest "
+                           "checkpoint, %s", found)
+            return found
+        if resume and resume != "auto":
+            return resolve_resume(resume, output_dir)
+        logger.warning("=> restarted after a failure in the process group, before any checkpoint was "
+                       "written in %s: starting over", output_dir)
+        return None
     if not resume:
         return None
     if resume == "auto":
-        path = os.path.join(output_dir, CHECKPOINT)
-        if os.path.isfile(path):
-            return path
-        logger.info("--resume auto: no %s in %s yet; starting fresh", CHECKPOINT, output_dir)
-        return None
+        found = _newest_intact(output_dir, "--resume auto")
+        if found is None:
+            logger.info("--resume auto: no %s in %s yet; starting fresh", CHECKPOINT, output_dir)
+        return found
     if not os.path.exists(resume):
         raise UserError(f"--resume {resume}: no such file (use --resume auto to resume only if "
                         f"{os.path.join(output_dir, CHECKPOINT)} exists)")
     return resume
+
+
+def _newest_intact(output_dir: str, who: str) -> Optional[str]:
+    """The newest checkpoint of ``output_dir`` that reads back whole; None when there is none.
+    A damaged latest one is passed over for the one before it, with a warning; none intact is a
+    UserError."""
+    latest = os.path.join(output_dir, CHECKPOINT)
+    if not os.path.isfile(latest):
+        return None  # a removed latest means "start fresh", not "take the one before"
+    candidates = [p for p in (latest, os.path.join(output_dir, PREVIOUS)) if os.path.isfile(p)]
+    problems = []
+    for path in candidates:
+        why = damage(path)
+        if why is None:
+            if problems:
+                logger.warning("=> warning: %s cannot be read (%s); %s falls back to the checkpoint before it, "
+                               "%s", problems[0][0], problems[0][1], who, path)
+            return path
+        problems.append((path, why))
+    if problems:
+        listed = "; ".join(f"{p}: {why}" for p, why in problems)
+        raise UserError(f"{who}: no readable checkpoint in {output_dir} ({listed}); move the damaged "
+                        "file(s) away to start fresh, or give --resume PATH of an intact copy")
+    return None
 
 
 def require_keys(ckpt: dict, path: str, keys: tuple) -> None:

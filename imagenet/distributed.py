@@ -8,13 +8,19 @@ Launch modes, decided once in :func:`setup`:
   reference script does (``CUDA_VISIBLE_DEVICES=0,1 python main.py DIR``).
 * ``ddp``   -- a distributed environment (torchrun / ``python -m multiproc`` variables, SLURM's,
   or ``--world-size/--rank/--dist-url``): DistributedDataParallel, one device per process.
+
+Under ``srun`` (one task per GPU) nothing needs setting up: without MASTER_ADDR/MASTER_PORT the
+rendezvous is the first host of the job's node list on a port derived from the job id, the same
+for every task of the job and different between jobs.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -43,6 +49,10 @@ class DistContext:
     local_rank: int = 0
     backend: Optional[str] = None
     device_ids: list = field(default_factory=list)
+    # Times an elastic launcher (multiproc --max-restarts, torchrun) restarted the process group
+    # after a failure, so far in this launch (TORCHELASTIC_RESTART_COUNT); > 0: resume from the
+    # newest checkpoint.
+    restart_count: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -90,7 +100,7 @@ def distributed_env(cfg, env: Optional[dict] = None) -> Optional[dict]:
     if s_world is not None and s_world > 1 and cfg.world_size == -1:
         rank = _env_int(env, "SLURM_PROCID") or 0
         local = _env_int(env, "SLURM_LOCALID") or 0
-        return _checked(rank, s_world, local, "SLURM task environment")
+        return _checked(rank, s_world, local, SLURM_SOURCE)
     if cfg.world_size >= 1 and (cfg.world_size > 1 or cfg.dist_url != "env://"):
         if cfg.rank < 0:
             raise UserError(f"--world-size {cfg.world_size} needs --rank (this process's rank, "
@@ -98,6 +108,102 @@ def distributed_env(cfg, env: Optional[dict] = None) -> Optional[dict]:
         local = cfg.gpu if cfg.gpu is not None else 0
         return _checked(cfg.rank, cfg.world_size, local, "--world-size/--rank flags")
     return None
+
+
+SLURM_SOURCE = "SLURM task environment"
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 10000, 20000  # ports 10000-29999: below Linux's ephemeral range
+
+
+def slurm_master(env: dict) -> tuple:
+    """(MASTER_ADDR, MASTER_PORT) for a SLURM job step: the environment's when set, else the first
+    host of the step's (or job's) node list, where task 0 runs, and a port from the job id."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr:
+        name = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(v)), None)
+        if name is None:
+            raise UserError("SLURM_NTASKS > 1 but no SLURM_JOB_NODELIST to find the first node in; run under "
+                            "srun, or set MASTER_ADDR and MASTER_PORT")
+        try:
+            addr = first_node(env[name])
+        except ValueError as e:
+            raise UserError(f"{name}={env[name]!r} is not a SLURM node list ({e}); set MASTER_ADDR to the "
+                            "first node's address")
+    if not port:
+        job = _env_int(env, "SLURM_JOB_ID")
+        if job is None:
+            raise UserError("SLURM_NTASKS > 1 but no SLURM_JOB_ID to derive the rendezvous port from; "
+                            "set MASTER_PORT")
+        port = str(SLURM_PORT_BASE + job % SLURM_PORT_SPAN)
+    return addr, str(port)
+
+
+def expand_nodelist(nodelist: str) -> list:
+    """Every host of a SLURM node list in its compressed form, in order, as ``scontrol show
+    hostnames`` prints them: ``gpu[01-03,07],cpu5`` -> gpu01 gpu02 gpu03 gpu07 cpu5."""
+    return list(_hosts(nodelist))
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list (``gpu[01-04,07]`` -> ``gpu01``), without scontrol."""
+    return next(_hosts(nodelist))
+
+
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _hosts(nodelist: str):
+    """Hosts of ``nodelist``, lazily; ValueError for text SLURM would not write."""
+    for entry in _split_top_level(nodelist.strip()):
+        parts, pos = [], 0  # literal text and bracket groups, alternating
+        for m in _BRACKETS.finditer(entry):
+            parts += [[entry[pos:m.start()]], _expand_ranges(m.group(1))]
+            pos = m.end()
+        parts.append([entry[pos:]])
+        if any(c in "".join(p[0] for p in parts[::2]) for c in "[]"):
+            raise ValueError(f"unbalanced brackets in {entry!r}")
+        for combo in itertools.product(*parts):
+            yield "".join(combo)
+
+
+def _split_top_level(text: str) -> list:
+    """Split at the commas outside brackets."""
+    entries, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets at character {i}")
+        if c == "," and depth == 0:
+            entries.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("unbalanced brackets")
+    entries.append(text[start:])
+    if any(not e.strip() for e in entries):
+        raise ValueError("an empty host name")
+    return [e.strip() for e in entries]
+
+
+def _expand_ranges(spec: str) -> list:
+    """``01-03,07`` -> ['01', '02', '03', '07']: zero padding as written."""
+    values = []
+    for item in spec.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"[{spec}] is not a list of numbers and ranges")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"range {item} runs backwards")
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+    return values
+
+
+def restart_count(env: Optional[dict] = None) -> int:
+    """How often an elastic launcher restarted this process group after a failure (0: first start)."""
+    env = os.environ if env is None else env
+    count = _env_int(dict(env), "TORCHELASTIC_RESTART_COUNT")
+    return max(count or 0, 0)
 
 
 def _checked(rank: int, world: int, local: int, source: str) -> dict:
@@ -116,7 +222,9 @@ def setup(cfg) -> DistContext:
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     denv = distributed_env(cfg)
     if denv is not None:
-        return _setup_ddp(cfg, denv, n_gpus)
+        ctx = _setup_ddp(cfg, denv, n_gpus)
+        ctx.restart_count = restart_count()
+        return ctx
     if cfg.dist_backend == "nccl" and n_gpus == 0:
         raise UserError("--dist-backend nccl needs CUDA GPUs and none is visible; "
                         "use --dist-backend gloo for CPU processes")
@@ -152,14 +260,22 @@ def _setup_ddp(cfg, denv: dict, n_gpus: int) -> DistContext:
         raise UserError(f"--dist-backend {backend} is not available in this PyTorch build; "
                         "use nccl (GPUs) or gloo (CPUs)")
     local = denv["local_rank"]
+    gpu = local
+    if denv["source"] == SLURM_SOURCE and n_gpus == 1:
+        gpu = 0  # srun --gpus-per-task=1 (or --gpu-bind): each task sees its own GPU only, as device 0
     if n_gpus > 0:
-        if local >= n_gpus:
+        if gpu >= n_gpus:
+            how = (f"srun --ntasks-per-node={n_gpus}" if denv["source"] == SLURM_SOURCE
+                   else f"--nproc-per-node {n_gpus}")
             raise UserError(f"local rank {local} has no GPU: {n_gpus} visible on this node; start "
-                            f"at most {n_gpus} processes per node (--nproc-per-node {n_gpus})")
-        device = torch.device("cuda", local)
+                            f"at most {n_gpus} processes per node ({how})")
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)  # before any CUDA work, so each rank owns its own GPU
     else:
         device = torch.device("cpu")
+    if denv["source"] == SLURM_SOURCE and cfg.dist_url.startswith("env://"):
+        # srun without MASTER_*: every task derives the same address and port
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master(os.environ)
     _check_rendezvous(cfg, denv)
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     init_method = cfg.dist_url

@@ -116,6 +116,9 @@ class EpochRecord:
     mode: str  # cpu | gpu | dp | ddp
     image_size: int  # the epoch's training crop (--progressive-resize changes it)
     world_size: int
+    # times the launcher restarted the processes after a failure, so far in this launch
+    # (multiproc --max-restarts / torchrun: TORCHELASTIC_RESTART_COUNT)
+    restarts: int = 0
     # --model-ema: the weight average, validated on the same images
     val_loss_ema: Optional[float] = None
     val_acc1_ema: Optional[float] = None

@@ -1,10 +1,12 @@
-"""Graceful stop on SIGTERM/SIGINT: finish the step, write a checkpoint, say how to resume.
+"""Graceful stop on SIGTERM/SIGINT/SIGUSR1: finish the step, write a checkpoint, say how to resume.
 
 Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and wait a grace period before
-SIGKILL. The handler only records the request; the training loop asks :meth:`should_stop`
-between steps. Under DDP every rank must stop after the same step (the checkpoint and the next
-collective need all of them), so ranks agree by an all-reduce every few steps. A second Ctrl-C
-stops at once.
+SIGKILL. SLURM's ``#SBATCH --signal=USR1@120`` sends SIGUSR1 that long before the time limit:
+it stops the same way, and the exit status 128 + 10 = 138 tells a requeue script that the run
+stopped with a checkpoint and can be requeued (README: the sbatch example). The handler only
+records the request; the training loop asks :meth:`should_stop` between steps. Under DDP every
+rank must stop after the same step (the checkpoint and the next collective need all of them), so
+ranks agree by an all-reduce every few steps. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from .distributed import DistContext, all_reduce_max
 
 AGREE_EVERY = 10  # steps between the ranks' agreement on a stop request (DDP only)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Preempted(Exception):
@@ -46,7 +49,7 @@ class StopRequest:
         self.signum = signum
 
     def __enter__(self) -> "StopRequest":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. an embedding application): no handlers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Optional
 
 import yaml
 
@@ -39,6 +40,23 @@ class RunLog:
     def __exit__(self, *exc) -> None:
         if self.board is not None:
             self.board.close()
+
+    def catch_up(self, record: Optional[dict]) -> None:
+        """Write ``record`` (the last finished epoch's row, from the checkpoint resumed) if
+        metrics.jsonl lacks it: the run stopped between the checkpoint and the row."""
+        if not (self.active and record):
+            return
+        epochs = set()
+        if os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as fh:
+                epochs = {json.loads(line).get("epoch") for line in fh if line.strip()}
+        if record["epoch"] not in epochs:
+            logger.info("=> metrics.jsonl had no row for epoch %d (the run stopped before writing it): added "
+                        "from the checkpoint", record["epoch"])
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if self.board is not None:
+                self.board.write_epoch(record)
 
     def skipped_images(self, epoch: int, paths: list, count: int) -> None:
         """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's."""

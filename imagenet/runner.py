@@ -223,12 +223,15 @@ def _start(cfg: Config, ctx, seed: int) -> _Start:
     # from here on (none in a plain ResNet) gets a stream of its own on each rank.
     torch.manual_seed(seed + ctx.rank)
     progress = Progress()
-    resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir)
+    # a process an elastic launcher restarted after a failure continues from the newest checkpoint
+    resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir, restarted=ctx.restart_count > 0)
     if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
         raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
     if resume_path:
         progress = resume_from(resume_path, cfg, ctx, state, len(data.classes))
+        if os.path.dirname(os.path.abspath(resume_path)) != os.path.abspath(cfg.output_dir):
+            progress.record = None  # another run's checkpoint: its rows are not this folder's
     if cfg.start_epoch is not None:
         progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
     return _Start(data, train_loader, val_loader, state, progress, iters)
@@ -260,6 +263,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     ends the run), validate (and the weight average), save, report."""
     state, progress = start.state, start.progress
     saver = CheckpointPolicy(cfg, ctx, start.data.classes)
+    log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
     run_start = time.perf_counter()
     steady, epochs_run, last = Steady(), 0, {}
     for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
@@ -273,7 +277,6 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val))
         is_best = saver.is_best(val.acc1, progress)
-        progress = progress.next_epoch(val.acc1)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
             train_acc5=train.acc5, train_samples=train.samples, steps=train.steps, skipped_steps=train.skipped_steps,
@@ -281,8 +284,9 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples,
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
-            best_acc1=progress.best_acc1, precision=state.precision.name, mode=ctx.mode, image_size=size,
-            world_size=ctx.world_size, **averaged, **decoded).to_dict()
+            best_acc1=max(progress.best_acc1, val.acc1), precision=state.precision.name, mode=ctx.mode, image_size=size,
+            world_size=ctx.world_size, restarts=ctx.restart_count, **averaged, **decoded).to_dict()
+        progress = progress.next_epoch(val.acc1, record)
         steady, epochs_run, last = steady + train.steady, epochs_run + 1, record
         saver.save(state, progress, is_best)  # first: a metrics line never describes an epoch the checkpoint lacks
         log.epoch(record, train, state.precision.loss_scale)

@@ -89,25 +89,30 @@ class TrainState:
 class Progress:
     """Where a run is: ``epoch`` is the epoch to run next (or to finish), ``step`` the loader
     batches of it already trained (mid-epoch checkpoints), ``sums`` the metric sums over all
-    ranks of those batches (``metrics.DeviceSums.raw``), so a resumed epoch reports all of it."""
+    ranks of those batches (``metrics.DeviceSums.raw``), so a resumed epoch reports all of it.
+    ``record`` is the metrics row of the epoch before ``epoch``: saved with the checkpoint, so a
+    run that died after the checkpoint but before writing the row still gets it on resume."""
 
     epoch: int = 0
     step: int = 0
     best_acc1: float = 0.0
     sums: Optional[list] = None
+    record: Optional[dict] = None
 
     def at_step(self, step: int, sums: Optional[list]) -> "Progress":
         """This epoch, ``step`` batches in."""
         return dataclasses.replace(self, step=step, sums=sums)
 
-    def next_epoch(self, acc1: float) -> "Progress":
-        """The start of the next epoch, after one that validated at ``acc1``."""
-        return Progress(self.epoch + 1, 0, max(self.best_acc1, acc1), None)
+    def next_epoch(self, acc1: float, record: Optional[dict] = None) -> "Progress":
+        """The start of the next epoch, after one that validated at ``acc1`` (its metrics row: ``record``)."""
+        return Progress(self.epoch + 1, 0, max(self.best_acc1, acc1), None, record)
 
     def state_dict(self) -> dict:
         out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1}
         if self.step and self.sums is not None:
             out["train_partial"] = self.sums
+        if self.record is not None:
+            out["epoch_record"] = self.record
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -116,6 +121,7 @@ class Progress:
         self.best_acc1 = float(state.get("best_acc1", 0.0))
         self.step = int(state.get("step_in_epoch", 0))
         self.sums = state.get("train_partial") if self.step else None
+        self.record = state.get("epoch_record")
 
 
 def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Optional[tuple] = None,

@@ -6,6 +6,7 @@ what they saw (environment, argv, pid) as files in a directory named by TEST_OUT
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import multiproc  # noqa: E402
-from multiproc import free_port  # noqa: E402
+
+
+def free_port():
+    """A TCP port nothing listens on now (for the static rendezvous, given on every node)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 # Shared by every child script: report files are written atomically so the test never reads half.
 PREAMBLE = """\
@@ -65,6 +72,11 @@ def launcher_cmd(*args):
 def launch(tmp_path, *args, env=None, timeout=30):
     return subprocess.run(launcher_cmd(*args), cwd=REPO, env=env or child_env(tmp_path),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start(tmp_path, *args):
+    return subprocess.Popen(launcher_cmd(*args), cwd=REPO, env=child_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def read_reports(out):
@@ -126,12 +138,13 @@ def test_failing_child_stops_the_others(tmp_path):
         write(f"pid{RANK}", str(os.getpid()))
         time.sleep(60)
     """)
-    start = time.monotonic()
-    r = launch(tmp_path, "--nproc-per-node", 3, "--log-dir", tmp_path, script)
-    assert r.returncode == 3, r.stderr
-    assert time.monotonic() - start < 5
-    assert "rank 1 exited with status 3" in r.stderr and "GPU_1.log" in r.stderr
-    wait_for_files([tmp_path / "pid0"])
+    launcher = start(tmp_path, "--nproc-per-node", 3, "--log-dir", tmp_path, script)
+    wait_for_files([tmp_path / "pid0"], timeout=30)  # the children run (torch's agent is up)
+    began = time.monotonic()
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 3, err
+    assert time.monotonic() - began < 5
+    assert "rank 1 exited with status 3" in err and "GPU_1.log" in err
     assert_dead(int((tmp_path / "pid0").read_text()))
 
 
@@ -154,62 +167,154 @@ def test_child_ignoring_sigterm_is_killed_after_grace_period(tmp_path):
         write("pid1", str(os.getpid()))
         time.sleep(60)
     """)
-    start = time.monotonic()
-    r = launch(tmp_path, "--nproc-per-node", 2, "--grace-period", 1, "--log-dir", tmp_path,
-               script)
-    elapsed = time.monotonic() - start
-    assert r.returncode == 4, r.stderr
+    launcher = start(tmp_path, "--nproc-per-node", 2, "--grace-period", 1, "--log-dir", tmp_path, script)
+    wait_for_files([tmp_path / "pid1"], timeout=30)
+    began = time.monotonic()
+    _, err = launcher.communicate(timeout=30)
+    elapsed = time.monotonic() - began
+    assert launcher.returncode == 4, err
     assert 1 <= elapsed < 6
-    assert "SIGKILL" in r.stderr
+    assert "SIGKILL" in err
     assert_dead(int((tmp_path / "pid1").read_text()))
 
 
-def test_sigterm_to_launcher_is_forwarded(tmp_path):
-    script = write_child(tmp_path, """\
+@pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGUSR1, ["--max-restarts", 2])])
+def test_signal_to_launcher_is_forwarded(tmp_path, sig, extra):
+    # SIGUSR1 is SLURM's advance warning (--signal=USR1@120); a stop on request is not a failure
+    # to restart from, even with --max-restarts.
+    script = write_child(tmp_path, f"""\
         def on_term(signum, frame):
-            write(f"term{RANK}", "")
+            write(f"term{{RANK}}", os.environ["TORCHELASTIC_RESTART_COUNT"])
             sys.exit(0)
-        signal.signal(signal.SIGTERM, on_term)
-        write(f"pid{RANK}", str(os.getpid()))
+        signal.signal({int(sig)}, on_term)
+        write(f"pid{{RANK}}", str(os.getpid()))
         time.sleep(60)
     """)
     launcher = subprocess.Popen(
-        launcher_cmd("--nproc-per-node", 2, "--log-dir", tmp_path, script), cwd=REPO,
+        launcher_cmd("--nproc-per-node", 2, *extra, "--log-dir", tmp_path, script), cwd=REPO,
         env=child_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_files([tmp_path / "pid0", tmp_path / "pid1"])
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(sig)
         _, err = launcher.communicate(timeout=10)
     finally:
         launcher.kill()
     # The children exited 0 after the signal, so the launcher reports the signal it got.
-    assert launcher.returncode == 128 + signal.SIGTERM, err
-    assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()
+    assert launcher.returncode == 128 + sig, err
+    assert (tmp_path / "term0").read_text() == "0" and (tmp_path / "term1").read_text() == "0"
+    assert "restart 1" not in err
     for rank in (0, 1):
         assert_dead(int((tmp_path / f"pid{rank}").read_text()))
 
 
-def test_two_nodes(tmp_path):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes(tmp_path, rendezvous):
     script = write_child(tmp_path, REPORT_ENV)
     port = free_port()
+    if rendezvous == "static":  # torchrun's --node-rank/--master-port way
+        meet = lambda node: ["--nnodes", 2, "--node-rank", node, "--master-port", port]  # noqa: E731
+    else:  # c10d: one endpoint for all, node ranks assigned by the rendezvous; 1..2 nodes may join
+        meet = lambda node: ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # noqa: E731
     launchers = [
-        subprocess.Popen(launcher_cmd("--nproc-per-node", 2, "--nnodes", 2, "--node-rank", node,
-                                      "--master-port", port, "--log-dir", tmp_path / "logs",
+        subprocess.Popen(launcher_cmd("--nproc-per-node", 2, *meet(node), "--log-dir", tmp_path / "logs",
                                       script),
                          cwd=REPO, env=child_env(tmp_path), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
-    outputs = [p.communicate(timeout=30) for p in launchers]
+    outputs = [p.communicate(timeout=60) for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outputs
     reports = read_reports(tmp_path)
     assert sorted(reports) == [0, 1, 2, 3]
     for rank, rep in reports.items():
         assert rep["WORLD_SIZE"] == "4" and rep["LOCAL_WORLD_SIZE"] == "2"
         assert rep["LOCAL_RANK"] == str(rank % 2) and rep["GROUP_RANK"] == str(rank // 2)
-        assert rep["MASTER_PORT"] == str(port)
+        if rendezvous == "static":
+            assert rep["MASTER_PORT"] == str(port)
+    assert len({rep["MASTER_PORT"] for rep in reports.values()}) == 1
     # On node 1 global rank 2 (its local rank 0) is the one on the terminal.
-    assert "hello from rank 2" in outputs[1][0]
+    node1 = next(out for out in outputs if "hello from rank 2" in out[0])
+    assert "hello from rank 0" not in node1[0]
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["GPU_1.log", "GPU_3.log"]
+
+
+def test_max_restarts_restarts_the_group_until_it_gives_up(tmp_path):
+    # Rank 1 dies by SIGKILL in every attempt: one start and two restarts, then the launcher gives
+    # up with that rank's status. Each attempt's output is kept, the restarts marked in the log.
+    script = write_child(tmp_path, """\
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print(f"rank {RANK} attempt {attempt}", flush=True)
+        write(f"rank{RANK}-attempt{attempt}", os.environ["MASTER_PORT"])
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    start = time.monotonic()
+    r = launch(tmp_path, "--nproc-per-node", 2, "--max-restarts", 2, "--log-dir", tmp_path, script,
+               timeout=60)
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    assert time.monotonic() - start < 30
+    assert {p.name for p in tmp_path.glob("rank*-attempt*")} == {
+        f"rank{rank}-attempt{a}" for a in range(3) for rank in (0, 1)}
+    # Each attempt gets a store of its own: the failed one's keys would mislead the new processes.
+    ports = [(tmp_path / f"rank0-attempt{a}").read_text() for a in range(3)]
+    assert len(set(ports)) == 3 and all((tmp_path / f"rank1-attempt{a}").read_text() == ports[a] for a in range(3))
+    assert r.stderr.count("rank 1 exited with status 137 (output: ") == 3, r.stderr
+    assert r.stderr.count("GPU_1.log, killed by SIGKILL)") == 3, r.stderr
+    assert "restart 1 of 2: starting 2 processes" in r.stderr and "restart 2 of 2" in r.stderr
+    assert "no restarts left (2 used)" in r.stderr
+    assert [f"rank 0 attempt {a}" in r.stdout for a in range(3)] == [True] * 3
+    log = (tmp_path / "GPU_1.log").read_text()
+    assert log.splitlines() == ["rank 1 attempt 0", "multiproc: restart 1", "rank 1 attempt 1",
+                                "multiproc: restart 2", "rank 1 attempt 2"]
+
+
+def test_a_user_error_is_not_restarted(tmp_path):
+    script = write_child(tmp_path, """\
+        write(f"rank{RANK}-attempt" + os.environ["TORCHELASTIC_RESTART_COUNT"], "")
+        if RANK == 1:
+            print("error: --lr must be positive", file=sys.stderr)
+            sys.exit(2)
+        time.sleep(60)
+    """)
+    r = launch(tmp_path, "--nproc-per-node", 2, "--max-restarts", 3, "--log-dir", tmp_path, script)
+    assert r.returncode == 2, r.stderr
+    assert "not restarting: rank 1 stopped with a user error (status 2)" in r.stderr
+    assert not list(tmp_path.glob("rank*-attempt1"))
+    assert "error: --lr must be positive" in (tmp_path / "GPU_1.log").read_text()
+
+
+def test_ranks_stopped_by_a_signal_of_their_own_are_not_restarted(tmp_path):
+    # SLURM signals every process of the step: the ranks may checkpoint and exit 138 before the
+    # launcher's own SIGUSR1 arrives. That is a stop request, not a failure to restart from.
+    script = write_child(tmp_path, """\
+        signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(128 + signum))
+        write(f"pid{RANK}-attempt" + os.environ["TORCHELASTIC_RESTART_COUNT"], str(os.getpid()))
+        time.sleep(60)
+    """)
+    launcher = start(tmp_path, "--nproc-per-node", 2, "--max-restarts", 2, "--log-dir", tmp_path, script)
+    try:
+        pids = [tmp_path / "pid0-attempt0", tmp_path / "pid1-attempt0"]
+        wait_for_files(pids, timeout=30)
+        for pid in pids:
+            os.kill(int(pid.read_text()), signal.SIGUSR1)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGUSR1, err
+    assert "not restarting: rank" in err and "stopped by SIGUSR1 (status 138)" in err, err
+    assert not list(tmp_path.glob("pid*-attempt1"))
+
+
+def test_a_taken_master_port_is_one_line_exit_2(tmp_path):
+    script = write_child(tmp_path, "write('ran', '')\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        r = launch(tmp_path, "--nproc-per-node", 2, "--master-port", taken.getsockname()[1], script)
+    assert r.returncode == 2, r.stderr
+    assert "EADDRINUSE" in r.stderr or "address already in use" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -222,6 +327,14 @@ def test_two_nodes(tmp_path):
     (["--nproc-per-node", "two", "SCRIPT"], "invalid int value"),
     (["--bogus", "SCRIPT"], "unrecognized arguments"),
     ([], "required: script"),
+    (["--nproc-per-node", 2, "--max-restarts", -1, "SCRIPT"], "--max-restarts must be >= 0"),
+    (["--nproc-per-node", 2, "--nnodes", "2:1", "SCRIPT"], "--nnodes must be N or MIN:MAX"),
+    (["--nproc-per-node", 2, "--nnodes", "1:4", "SCRIPT"], "needs a c10d rendezvous: add --rdzv-endpoint"),
+    (["--nproc-per-node", 2, "--rdzv-endpoint", "node0:http", "SCRIPT"], "--rdzv-endpoint must be HOST:PORT"),
+    (["--nproc-per-node", 2, "--rdzv-endpoint", "node0:29400", "--master-port", 5, "SCRIPT"],
+     "two ways for nodes to meet"),
+    (["--nproc-per-node", 2, "--master-port", 5, "--max-restarts", 1, "SCRIPT"],
+     "--max-restarts needs the c10d rendezvous"),
 ])
 def test_errors_are_one_line_exit_2(tmp_path, args, message):
     script = write_child(tmp_path, "write('ran', '')\n")
@@ -256,10 +369,7 @@ def test_visible_gpu_count_respects_cuda_visible_devices(monkeypatch):
     assert multiproc.visible_gpu_count() == 2
 
 
-def test_child_env_keeps_a_user_nvls_setting(monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
-    args = multiproc.parse_args(["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
-                                 "--master-port", "1234", "x.py"])
-    env = multiproc.child_env(args, 3)
-    assert env["NCCL_NVLS_ENABLE"] == "1"
-    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("7", "3", "8")
+def test_launcher_env_keeps_a_user_nvls_setting_and_sets_omp_threads_as_torchrun():
+    assert multiproc.launcher_env({"NCCL_NVLS_ENABLE": "1"}, 4) == {"OMP_NUM_THREADS": "1"}
+    assert multiproc.launcher_env({"OMP_NUM_THREADS": "3"}, 4) == {"NCCL_NVLS_ENABLE": "0"}
+    assert multiproc.launcher_env({}, 1) == {"NCCL_NVLS_ENABLE": "0"}  # one process: all its threads

@@ -3,6 +3,7 @@ halves, the checkpoint policy's cadence, and the one wiring path bench.py shares
 
 import dataclasses
 import io
+import json
 import os
 import sys
 
@@ -133,3 +134,20 @@ def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
     optimized = [p for g in state.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in optimized} == {id(m) for m in state.precision.masters}
     assert state.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_a_row_lost_between_the_checkpoint_and_metrics_jsonl_comes_back_on_resume(digits, tmp_path):
+    """A run killed after an epoch's checkpoint but before its metrics row: resuming writes the
+    row from the checkpoint, once, and no row of another run's checkpoint."""
+    from imagenet.runner import main
+    from tests.helpers import resnet18_args
+    out = tmp_path / "run"
+    assert main(resnet18_args(digits, out, "-j", 0, "--epochs", 1)) == 0
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("")  # as if the run died right after the checkpoint
+    assert main(resnet18_args(digits, out, "-j", 0, "--epochs", 2, "--resume", "auto")) == 0
+    epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1] and (out / "metrics.jsonl").read_text().splitlines()[0] == rows[0]
+    other = tmp_path / "other"
+    assert main(resnet18_args(digits, other, "-j", 0, "--epochs", 3, "--resume", out / "checkpoint.pth.tar")) == 0
+    assert [json.loads(line)["epoch"] for line in (other / "metrics.jsonl").read_text().splitlines()] == [2]
