@@ -1,7 +1,8 @@
 """--multiprocessing-distributed: the spawned workers follow every launch mode's exit contract.
 
-There is no GPU here, so the test starts the spawn path with two CPU processes over gloo
-(``spawn_per_gpu(cfg, run, nprocs=2)``, what ``main`` does with one process per visible GPU).
+The test starts the spawn path with two CPU processes over gloo (``spawn_per_gpu(cfg, run,
+nprocs=2)``, what ``main`` does with one process per visible GPU), with the GPUs hidden so it
+means the same on a machine that has fewer than two.
 """
 
 import os
@@ -34,7 +35,7 @@ def spawn(data, out, *extra):
     argv = [data, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize", "16", "-p", "1",
             "--seed", "0", "--lr", "0.02", "--dist-backend", "gloo", "--multiprocessing-distributed",
             "--output-dir", str(out), *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.Popen([sys.executable, "-c", SPAWN, *argv], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
