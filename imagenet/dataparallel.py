@@ -4,8 +4,8 @@ torch's ``parallel_apply`` starts a new thread per replica for every forward. cu
 plans, and with ``cudnn.benchmark`` the result of the algorithm search, are cached per thread in
 PyTorch (pytorch/pytorch#103939), so every DataParallel forward began with a cold cache and ran
 the search again: ResNet-50 fp16 trained at 150 img/s on two H200 against 6,000 on one
-(``scripts/bench.py train``; docs/BENCHMARKS.md, DataParallel). Here each GPU's replica always runs in the same worker thread, so
-the search happens once per GPU, as on a single GPU.
+(``scripts/bench.py train``; docs/BENCHMARKS.md, DataParallel). Here each GPU's replica always
+runs in the same worker thread, so the search happens once per GPU, as on a single GPU.
 
 The replicas' module objects are also kept (:class:`ReplicaCache`): torch's ``replicate`` makes a
 shallow copy of every module for every GPU on every forward (~320 for ResNet-50 on two GPUs),
