@@ -4,6 +4,7 @@ and say where the run continues. What a checkpoint holds is :mod:`imagenet.savep
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -25,10 +26,13 @@ def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Pro
     returns the run's progress from it."""
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
-    _check_same_run(ckpt, path, cfg, num_classes)
-    weights = fit_state_dict(unwrap(state.model), strip_prefix(ckpt["state_dict"]), path)
+    weights = strip_prefix(ckpt["state_dict"])
+    _check_same_run(ckpt, weights, path, cfg, num_classes)
+    weights = fit_state_dict(unwrap(state.model), weights, path)
     progress = Progress()
     progress.load_state_dict(ckpt)
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(cfg.output_dir):
+        progress.record = None  # another folder's checkpoint: its last metrics row is not this run's
     if cfg.evaluate:  # evaluation needs the weights only
         state.load_weights(weights)
         return Progress(progress.epoch, 0, progress.best_acc1)
@@ -48,13 +52,13 @@ def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Pro
         logger.warning("=> %s stopped mid-epoch at batch size %s with %s accumulation step(s); with -b %d and "
                        "--accum-steps %d the epoch restarts from its beginning", path, saved_batch, saved_accum,
                        cfg.batch_size, cfg.accum_steps)
-        progress = Progress(progress.epoch, 0, progress.best_acc1)
+        progress = progress.at_step(0, None)
     logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, progress.epoch,
                 f", step {progress.step}" if progress.step else "", progress.best_acc1)
     return progress
 
 
-def _check_same_run(ckpt: dict, path: str, cfg, num_classes: int) -> None:
+def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int) -> None:
     arch = ckpt.get("arch", cfg.arch)
     if arch != cfg.arch:
         raise UserError(f"{path} was trained as {arch}, not -a {cfg.arch}; pass -a {arch} to resume it")
@@ -62,7 +66,7 @@ def _check_same_run(ckpt: dict, path: str, cfg, num_classes: int) -> None:
     if saved_classes is not None and int(saved_classes) != num_classes:
         raise UserError(f"{path} was trained on {saved_classes} classes, this dataset has {num_classes}; "
                         "--resume continues the same run: to fine-tune from it use --weights")
-    fc = strip_prefix(ckpt["state_dict"]).get("fc.weight")
+    fc = weights.get("fc.weight")
     if fc is not None and fc.shape[0] != num_classes:
         raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
                         "--resume continues the same run: to fine-tune from it use --weights")

@@ -230,8 +230,6 @@ def _start(cfg: Config, ctx, seed: int) -> _Start:
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
     if resume_path:
         progress = resume_from(resume_path, cfg, ctx, state, len(data.classes))
-        if os.path.dirname(os.path.abspath(resume_path)) != os.path.abspath(cfg.output_dir):
-            progress.record = None  # another run's checkpoint: its rows are not this folder's
     if cfg.start_epoch is not None:
         progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
     return _Start(data, train_loader, val_loader, state, progress, iters)
