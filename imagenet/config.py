@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # --compile (torch.compile modes)
+MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/maxpool.py)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
@@ -68,6 +69,8 @@ class Config:
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from
     channels_last: bool = False
     compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
+    tune_kernels: bool = False  # with --compile: tune each generated kernel's launch settings (coordinate descent)
+    maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, --channels-last) | torch | triton
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -143,7 +146,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": COMPILE_MODES, "decode": ("cpu", "gpu")}
+            "compile": COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
@@ -420,6 +423,12 @@ def validate(cfg: Config) -> None:
     need(not (cfg.fp16 and cfg.amp),
          "--fp16 and --amp are two ways of doing mixed precision; pick one "
          "(--fp16: fp16 model with fp32 master weights; --amp: autocast)")
+    need(not cfg.tune_kernels or cfg.compile != "off",
+         "--tune-kernels tunes the kernels torch.compile generates; add --compile default (or reduce-overhead)")
+    need(cfg.maxpool_kernel != "triton" or cfg.channels_last,
+         "--maxpool-kernel triton computes channels_last tensors only; add --channels-last (or use auto)")
+    need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
+         "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
     need(not (cfg.pretrained and cfg.weights),
          "--pretrained and --weights both name starting weights; pick one")
     need(not (cfg.evaluate and cfg.resume and cfg.weights),

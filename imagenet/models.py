@@ -12,13 +12,17 @@ import torchvision
 
 from .config import ARCHS
 from .errors import UserError
-from .wrappers import strip_prefix
+from .maxpool import StemMaxPool, is_stem_pool
+from .maxpool import available as maxpool_kernels_available
+from .torch_private import inductor_tune_kernels
+from .wrappers import strip_prefix, unwrap
 
 logger = logging.getLogger(__name__)
 
 
-def create_model(arch: str, num_classes: int, small_stem: bool = False) -> nn.Module:
-    """A freshly initialised ResNet-family model with ``num_classes`` outputs."""
+def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False) -> nn.Module:
+    """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
+    its max-pool computed by :mod:`imagenet.maxpool`'s kernels (same results, same state dict)."""
     if arch not in ARCHS:
         raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
@@ -29,8 +33,26 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False) -> nn.Mo
         model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
         model.maxpool = nn.Identity()
+    elif stem_kernels and is_stem_pool(model.maxpool):
+        model.maxpool = StemMaxPool()
     return model
 
+
+def uses_stem_kernels(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model's max-pool runs on :mod:`imagenet.maxpool`'s kernels."""
+    return any(isinstance(m, StemMaxPool) for m in unwrap(model).modules())
+
+
+def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small_stem: bool) -> bool:
+    """Whether ``--maxpool-kernel kind`` puts the stem's max-pool on the Triton kernels here;
+    ``triton`` where they cannot run is a UserError (``auto`` then quietly uses torch's)."""
+    if kind == "torch" or small_stem:
+        return False
+    runs = device.type == "cuda" and maxpool_kernels_available()
+    if kind == "triton" and not runs:
+        why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
+        raise UserError(f"--maxpool-kernel triton needs a CUDA GPU and Triton; {why}: use --maxpool-kernel auto")
+    return runs and channels_last
 
 def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
     """Load a (possibly prefixed) state dict; returns it as loaded (see :func:`fit_state_dict`)."""
@@ -127,7 +149,7 @@ def pretrained_state_dict(weights: PretrainedWeights) -> dict:
                         "delete the file and copy it again")
 
 
-def compile_model(model: nn.Module, mode: str, parallel: str) -> nn.Module:
+def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False) -> nn.Module:
     """``torch.compile`` the (wrapped) training model unless ``mode`` is ``off``.
 
     Under DDP the DDP wrapper itself is compiled, so the graph is split at gradient-bucket
@@ -135,6 +157,8 @@ def compile_model(model: nn.Module, mode: str, parallel: str) -> nn.Module:
     module on every forward, which compiled modules do not survive: it is refused.
     ``reduce-overhead`` also captures the forward and backward in CUDA graphs (static shapes:
     the trainer drops the last partial batch, so every training step has the same shape).
+    ``tune`` (``--tune-kernels``): Inductor tunes every generated kernel's block sizes and warps by
+    coordinate descent, timing them on the first steps (minutes, cached on disk for later runs).
     """
     if mode == "off":
         return model
@@ -143,4 +167,6 @@ def compile_model(model: nn.Module, mode: str, parallel: str) -> nn.Module:
                         "python -m multiproc main.py ... --compile " + mode)
     if not hasattr(torch, "compile"):
         raise UserError(f"--compile needs torch >= 2.0; this is torch {torch.__version__}: drop --compile")
+    if tune:
+        inductor_tune_kernels()
     return torch.compile(model, mode=None if mode == "default" else mode)

@@ -26,7 +26,7 @@ from .ema import ModelEma
 from .engine import lr_lambda
 from .errors import UserError
 from .mixing import BatchMixer
-from .models import compile_model, create_model, load_weights_into
+from .models import compile_model, create_model, load_weights_into, use_stem_kernels
 from .precision import Precision, build_precision
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,8 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     where it came from) to begin from (``--pretrained``, ``--weights``); ``precision``: a
     precision object to use instead of ``cfg``'s (benchmarks of a variant). The caller seeds
     the RNGs first: the model's initialisation draws from them."""
-    model = create_model(cfg.arch, num_classes, cfg.small_stem)
+    model = create_model(cfg.arch, num_classes, cfg.small_stem,
+                         use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem))
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:
@@ -164,5 +165,6 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
 def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     """The state with its model wrapped for the launch mode (DataParallel, DDP) and compiled as
     ``--compile`` says; after any weights are loaded (DDP broadcasts rank 0's at wrapping)."""
-    state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode)
+    state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode,
+                                tune=cfg.tune_kernels)
     return state

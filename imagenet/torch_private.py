@@ -13,6 +13,7 @@ names the attribute that moved.
   ``_step_supports_amp_scaling`` and the ``found_inf`` / ``grad_scale`` attributes its
   ``step()`` reads (the fused kernels skip an overflowing step on the device).
 * :func:`set_last_lr` -- ``LRScheduler._last_lr``, what ``get_last_lr()`` answers.
+* :func:`inductor_tune_kernels` -- ``torch._inductor.config.coordinate_descent_tuning``.
 """
 
 from __future__ import annotations
@@ -67,3 +68,10 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
 def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list) -> None:
     """Make ``scheduler.get_last_lr()`` answer ``lrs`` (after the learning rates were set by hand)."""
     scheduler._last_lr = lrs
+
+
+def inductor_tune_kernels() -> None:
+    """Make Inductor tune each kernel it generates from now on (this process): block sizes and
+    warps by coordinate descent around its heuristic's choice, timed on the first calls."""
+    import torch._inductor.config as inductor
+    inductor.coordinate_descent_tuning = True

@@ -298,6 +298,10 @@ def test_yaml_config_key_hint_does_not_suggest_itself(tmp_path):
     (["--epochs", "ten"], "--epochs"),
     (["--lr", "fast"], "--lr"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--tune-kernels"], "--compile"),
+    (["--maxpool-kernel", "triton"], "--channels-last"),
+    (["--maxpool-kernel", "triton", "--channels-last", "--small-stem"], "--small-stem"),
+    (["--maxpool-kernel", "cudnn"], "cudnn"),
 ])
 def test_impossible_values_are_user_errors(argv, fragment):
     with pytest.raises(UserError) as exc:

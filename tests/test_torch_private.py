@@ -92,3 +92,15 @@ def test_set_last_lr_is_what_get_last_lr_answers():
     state = scheduler.state_dict()
     assert state.get("_last_lr") == [0.025], "torch.optim.lr_scheduler.LRScheduler._last_lr is no longer saved"
 
+
+
+def test_inductor_tune_kernels_turns_on_coordinate_descent_tuning():
+    import torch._inductor.config as inductor
+    assert hasattr(inductor, "coordinate_descent_tuning"), \
+        "torch._inductor.config.coordinate_descent_tuning is gone: --tune-kernels would do nothing"
+    before = inductor.coordinate_descent_tuning
+    try:
+        tp.inductor_tune_kernels()
+        assert inductor.coordinate_descent_tuning is True
+    finally:
+        inductor.coordinate_descent_tuning = before

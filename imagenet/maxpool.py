@@ -1,0 +1,199 @@
+"""The ResNet stem's max-pool (3x3, stride 2, padding 1) as two Triton kernels (``--maxpool-kernel``).
+
+Why: the backward pass of that one max-pool takes 1.83 ms of a 41.5 ms ResNet-50 step in eager
+fp16 (torch's NHWC kernel) and 1.46 ms of 35.7 ms compiled (Inductor's), on one H200 at batch
+256 (docs/BENCHMARKS.md), for a tensor it could write in about 0.15 ms. Both scan, for every
+input pixel, the windows that may have picked it and re-derive each window's winner from a
+saved index of the whole plane.
+
+Here the forward writes the pooled values and, for each one, the position (0..8) of the
+window's maximum as one byte; the backward visits each input pixel once, looks at the one,
+two or four windows that contain it (stride 2 leaves no more) and adds, in float32, the
+gradients of those whose byte names this pixel. The winner is torch's: the first maximum in
+row-major window order, a NaN replacing it (so a window holding NaNs passes its gradient to the
+last NaN, as torch does); the sum runs over the windows in torch's order. So the gradient
+equals torch's up to the rounding of a sum of at most four float32 terms.
+
+Only channels_last CUDA tensors of that geometry take the kernels (the stem of every ResNet
+here run with ``--channels-last``); anything else runs ``torch.nn.functional.max_pool2d``. The
+kernels are a ``torch.library`` custom op with its own backward, so torch.compile keeps them as
+they are and CUDA graphs capture them. ``TRITON_INTERPRET=1`` runs them on a CPU (tests).
+"""
+
+import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch without Triton
+    triton = None
+
+BLOCK_P = 64  # pixels per program
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def available() -> bool:
+    """Whether the kernels can run: Triton and a CUDA GPU it compiles for (compute capability 7.0
+    or later, as Inductor requires), or Triton's interpreter."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether ``x`` (the max-pool's input) goes through the kernels."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and (x.is_cuda or interpreted) and x.dim() == 4 and x.dtype in _DTYPES
+            and x.is_contiguous(memory_format=torch.channels_last) and x.shape[2] > 0 and x.shape[3] > 0)
+
+
+def out_size(n: int) -> int:
+    return (n - 1) // 2 + 1  # floor((n + 2 * 1 - 3) / 2) + 1
+
+
+def _nhwc_empty(n: int, c: int, h: int, w: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, device=device)
+
+
+if triton is not None:
+    # The two kernels below ran compiled on an H200 (tests/test_maxpool.py, docs/BENCHMARKS.md);
+    # their common first lines are left as they ran rather than moved into a helper untested there.
+    @triton.jit
+    def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, pixels, C, H, W, OH, OW,
+                              BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # One program: BLOCK_P output pixels (n, oh, ow) x BLOCK_C channels, NHWC.
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_ok = p < pixels
+        c_ok = c < C
+        ow = p % OW
+        oh = (p // OW) % OH
+        n = p // (OW * OH)
+        best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
+        arg = tl.full((BLOCK_P, BLOCK_C), 4, tl.int32)  # the centre: always inside the image
+        for k in tl.static_range(9):
+            ih = oh * 2 - 1 + k // 3
+            iw = ow * 2 - 1 + k % 3
+            inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            offs = ((n * H + ih) * W + iw).to(tl.int64) * C
+            v = tl.load(x_ptr + offs[:, None] + c[None, :], mask=inside[:, None] & c_ok[None, :],
+                        other=float("-inf")).to(tl.float32)
+            take = (v > best) | (v != v)  # strictly greater: the first maximum wins; NaN always
+            best = tl.where(take, v, best)
+            arg = tl.where(take, k, arg)
+        out = p.to(tl.int64)[:, None] * C + c[None, :]
+        ok = p_ok[:, None] & c_ok[None, :]
+        tl.store(y_ptr + out, best.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(idx_ptr + out, arg.to(tl.int8), mask=ok)
+
+    @triton.jit
+    def _stem_maxpool_backward(g_ptr, idx_ptr, dx_ptr, pixels, C, H, W, OH, OW,
+                               BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # One program: BLOCK_P input pixels (n, ih, iw) x BLOCK_C channels, NHWC. Window oh
+        # covers rows 2*oh-1 .. 2*oh+1, so row ih lies in oh = (ih+1)//2 (at kh = ih+1-2*oh)
+        # and, for odd ih, also in oh - 1 (kh = 2); likewise for columns.
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_ok = p < pixels
+        c_ok = c < C
+        iw = p % W
+        ih = (p // W) % H
+        n = p // (W * H)
+        acc = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
+        for r in tl.static_range(2):  # the earlier window first: torch's order of the sum
+            oh = (ih + 1) // 2 - 1 + r
+            kh = ih + 1 - 2 * oh
+            row_ok = (oh >= 0) & (oh < OH) & (kh <= 2)
+            for s in tl.static_range(2):
+                ow = (iw + 1) // 2 - 1 + s
+                kw = iw + 1 - 2 * ow
+                ok = p_ok & row_ok & (ow >= 0) & (ow < OW) & (kw <= 2)
+                offs = ((n * OH + oh) * OW + ow).to(tl.int64) * C
+                m = ok[:, None] & c_ok[None, :]
+                won = tl.load(idx_ptr + offs[:, None] + c[None, :], mask=m, other=-1).to(tl.int32)
+                g = tl.load(g_ptr + offs[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                acc += tl.where(won == (kh * 3 + kw)[:, None], g, 0.0)
+        out = p.to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+
+
+def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int, ow: int) -> None:
+    """``kernel`` over ``pixels`` pixels x ``c`` channels (NHWC), in programs of BLOCK_P x up to 64."""
+    if pixels and c:
+        block_c = min(triton.next_power_of_2(c), 64)
+        grid = (triton.cdiv(pixels, BLOCK_P), triton.cdiv(c, block_c))
+        kernel[grid](*tensors, pixels, c, h, w, oh, ow, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
+
+
+@torch.library.custom_op("imagenet::stem_maxpool", mutates_args=())
+def stem_maxpool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pooled values, winner byte per value) of a channels_last NCHW tensor; both channels_last."""
+    n, c, h, w = x.shape
+    oh, ow = out_size(h), out_size(w)
+    y = _nhwc_empty(n, c, oh, ow, x.dtype, x.device)
+    idx = _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
+    _launch(_stem_maxpool_forward, (x, y, idx), n * oh * ow, c, h, w, oh, ow)
+    return y, idx
+
+
+@stem_maxpool.register_fake
+def _(x):
+    n, c, h, w = x.shape
+    oh, ow = out_size(h), out_size(w)
+    return _nhwc_empty(n, c, oh, ow, x.dtype, x.device), _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
+
+
+@torch.library.custom_op("imagenet::stem_maxpool_backward", mutates_args=())
+def stem_maxpool_backward(grad: torch.Tensor, idx: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The input's gradient from the output's (any layout) and the forward's winner bytes."""
+    grad = grad.contiguous(memory_format=torch.channels_last)
+    n, c, oh, ow = idx.shape
+    dx = _nhwc_empty(n, c, height, width, grad.dtype, grad.device)
+    _launch(_stem_maxpool_backward, (grad, idx, dx), n * height * width, c, height, width, oh, ow)
+    return dx
+
+
+@stem_maxpool_backward.register_fake
+def _(grad, idx, height, width):
+    n, c = idx.shape[:2]
+    return _nhwc_empty(n, c, height, width, grad.dtype, grad.device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.size = inputs[0].shape[2:]
+
+
+def _backward_rule(ctx, grad, _grad_idx):
+    (idx,) = ctx.saved_tensors
+    return stem_maxpool_backward(grad, idx, ctx.size[0], ctx.size[1])
+
+
+stem_maxpool.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class StemMaxPool(nn.MaxPool2d):
+    """``nn.MaxPool2d(3, 2, 1)`` whose channels_last inputs go through the kernels above."""
+
+    def __init__(self):
+        super().__init__(kernel_size=3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if takes(x):
+            return stem_maxpool(x)[0]
+        return F.max_pool2d(x, 3, 2, 1)
+
+
+def is_stem_pool(module: nn.Module) -> bool:
+    """Whether ``module`` is a max-pool the kernels compute exactly (3x3, stride 2, padding 1)."""
+    def pair(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    return (type(module) is nn.MaxPool2d and pair(module.kernel_size) == (3, 3) and pair(module.stride) == (2, 2)
+            and pair(module.padding) == (1, 1) and pair(module.dilation) == (1, 1) and not module.ceil_mode
+            and not module.return_indices)
