@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from imagenet import distributed  # noqa: E402
-from imagenet.config import ARCHS, COMPILE_MODES, Config, validate  # noqa: E402
+from imagenet.config import ARCHS, COMPILE_MODES, MAXPOOL_KERNELS, Config, validate  # noqa: E402
 from imagenet.errors import UserError  # noqa: E402
 from imagenet.models import create_model  # noqa: E402
 from imagenet.optim import IMPLS  # noqa: E402
@@ -87,12 +87,36 @@ def train_flops_per_image(arch: str, image_size: int, num_classes: int) -> float
     return counter.get_total_flops() / 2
 
 
+def set_inductor_options(pairs: list) -> None:
+    """``KEY=VALUE`` pairs into ``torch._inductor.config`` (dotted keys reach its sub-configs)."""
+    import ast
+    if not pairs:
+        return
+    import torch._inductor.config as inductor
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{pair!r} is not KEY=VALUE")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value  # a bare string, e.g. max_autotune_gemm_backends=ATEN
+        *owners, name = key.split(".")
+        target = inductor
+        for part in owners:
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, name):
+            raise ValueError(f"torch._inductor.config has no option {key!r}")
+        setattr(target, name, parsed)
+
+
 def build_step(args, name: str, channels_last: bool, ctx):
     """The trainer's model, precision and SGD for ``name``, built as main.py builds them
     (``state.build_training``); returns ``step(images, targets)`` (forward, loss, backward,
     optimizer step); the training state lives as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
-                  lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile)
+                  lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile, tune_kernels=args.tune_kernels,
+                  maxpool_kernel=args.maxpool_kernel if channels_last or args.maxpool_kernel != "triton" else "auto")
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)
@@ -163,7 +187,8 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
         if args.profile_json:  # every op, to compare two modes op by op offline
             ops = [{"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
                     "self_device_us": getattr(e, "self_device_time_total", None) or
-                    getattr(e, "self_cuda_time_total", 0)} for e in prof.key_averages()]
+                    getattr(e, "self_cuda_time_total", 0),
+                    "kernel": "CPU" not in str(getattr(e, "device_type", "CPU"))} for e in prof.key_averages()]
             with open(args.profile_json, "w") as fh:
                 json.dump({"precision": name, "steps": args.profile, "ops": ops}, fh)
     del train_step, step  # frees the model and optimizer before the next row
@@ -172,6 +197,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
             "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
             "devices": ctx.n_devices, "batch": args.batch_size, "compile": args.compile,
+            "tune_kernels": args.tune_kernels, "maxpool_kernel": args.maxpool_kernel,
             "optimizer": args.optimizer_impl}
 
 
@@ -337,6 +363,9 @@ def main(argv=None) -> int:
     t.add_argument("--channels-last", action="store_true")
     t.add_argument("--compile", choices=COMPILE_MODES, default="off",
                    help="torch.compile the model as main.py's --compile does (compiles during warm-up)")
+    t.add_argument("--tune-kernels", action="store_true", help="as main.py's: Inductor tunes its kernels (--compile)")
+    t.add_argument("--maxpool-kernel", choices=MAXPOOL_KERNELS, default="auto",
+                   help="as main.py's: the stem max-pool's kernels (auto: Triton on a GPU with channels_last)")
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
     t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")
@@ -357,6 +386,9 @@ def main(argv=None) -> int:
     t.add_argument("--json", help="also write the rows to this file")
     t.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps, print top ops")
     t.add_argument("--profile-json", help="with --profile: write every op's times to this file")
+    t.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="set torch._inductor.config.KEY (a Python literal) before compiling; repeatable "
+                        "(exploring Inductor's options with --compile)")
     d = sub.add_parser("data", help="input-pipeline throughput (decode, crop, collate, to device)")
     d.add_argument("dir", help="an ImageFolder root with train/ (scripts/make_benchmark_imagefolder.py)")
     d.add_argument("--workers", type=int, default=2)
@@ -387,6 +419,10 @@ def main(argv=None) -> int:
             p.error(f"{option}: unknown {', '.join(unknown)}; choose from {','.join(known)}")
     if args.what == "data":
         return bench_data(args, t.parse_args([]))
+    try:
+        set_inductor_options(args.inductor)
+    except ValueError as e:
+        p.error(f"--inductor: {e}")
     try:
         ctx = distributed.setup(Config(batch_size=args.batch_size))
     except UserError as e:

@@ -1,0 +1,86 @@
+"""scripts/step_matrix.py (row names, the kernel-class account) and bench.py's --inductor option."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+step_matrix = _load("step_matrix")
+
+
+def test_row_names_become_bench_flags():
+    flags = step_matrix.row_flags("ro-b384-cdt-mp").split()
+    assert flags == ["--precision", "fp16", "--maxpool-kernel", "triton", "--compile", "reduce-overhead",
+                     "--batch-size", "384", "--tune-kernels"]
+    assert step_matrix.row_flags("eager") == "--precision fp16 --maxpool-kernel torch"
+    assert "--precision amp-bf16" in step_matrix.row_flags("default-bf16")
+
+
+@pytest.mark.parametrize("name, fragment", [("fast", "unknown mode 'fast'"), ("ro-zz", "unknown modifier 'zz'")])
+def test_unknown_row_names_say_what_is_known(name, fragment):
+    with pytest.raises(SystemExit, match=fragment):
+        step_matrix.row_flags(name)
+
+
+def test_a_dummy_row_runs_main_with_the_same_flags():
+    args = type("A", (), {"arch": "resnet50", "image_size": 224})()
+    cmd = step_matrix.dummy_command(step_matrix.row_flags("ro-b384-mp"), args, 256, 10, "/tmp/x")
+    assert "main.py --dummy" in cmd and "-b 384" in cmd and "--fp16" in cmd and "--maxpool-kernel triton" in cmd
+    assert "--compile reduce-overhead" in cmd and "--batch-size" not in cmd and "--precision" not in cmd
+    assert "--dummy-train-size 3840" in cmd
+
+
+@pytest.mark.parametrize("kernel, cls", [
+    ("void cudnn::batchnorm_fwtr_nhwc_semiPersist<__half, float>", "batchnorm"),
+    ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", "convolution"),
+    ("nvjet_sm90_hsh_256x128_64x4_1x2_h_bz_coopA_TNT", "convolution"),
+    ("triton_red_fused__native_batch_norm_legit_functional_9", "inductor reduction"),
+    ("triton_poi_fused__native_batch_norm_legit_functional_add_relu_12", "inductor pointwise"),
+    ("triton_poi_fused_add_max_pool2d_with_indices_backward_63", "max-pool"),
+    ("_stem_maxpool_backward", "max-pool"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedSgdMathFunctor>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add<c10::Half>>", "elementwise"),
+])
+def test_kernels_fall_into_their_class(kernel, cls):
+    assert step_matrix.classify(kernel).startswith(cls)
+
+
+def test_the_account_adds_up_to_the_step(tmp_path):
+    path = tmp_path / "p.json"
+    ops = [{"name": "aten::convolution", "calls": 2, "self_device_us": 0.0, "kernel": False},
+           {"name": "sm90_xmma_fprop_implicit_gemm", "calls": 2, "self_device_us": 6000.0, "kernel": True},
+           {"name": "triton_red_fused__native_batch_norm_legit_functional_1", "calls": 2, "self_device_us": 2000.0,
+            "kernel": True}]
+    path.write_text(json.dumps({"steps": 2, "ops": ops}))
+    rows = step_matrix.kernel_account(str(path), step_ms=5.0)
+    assert [(cls.split(" ")[0], ms) for cls, ms, _ in rows] == [("convolution", 3.0), ("inductor", 1.0), ("GPU", 1.0)]
+    assert sum(share for _, _, share in rows) == pytest.approx(1.0)
+
+
+def test_bench_sets_inductor_options_and_rejects_unknown_ones():
+    sys.path.insert(0, str(REPO / "scripts"))
+    bench = _load("bench")
+    import torch._inductor.config as inductor
+    before = (inductor.conv_1x1_as_mm, inductor.max_autotune_gemm_backends)
+    try:
+        bench.set_inductor_options(["conv_1x1_as_mm=True", "max_autotune_gemm_backends=ATEN"])
+        assert inductor.conv_1x1_as_mm is True and inductor.max_autotune_gemm_backends == "ATEN"
+    finally:
+        inductor.conv_1x1_as_mm, inductor.max_autotune_gemm_backends = before
+    with pytest.raises(ValueError, match="no option 'no_such_knob'"):
+        bench.set_inductor_options(["no_such_knob=1"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bench.set_inductor_options(["conv_1x1_as_mm"])
