@@ -54,6 +54,7 @@ def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small
         raise UserError(f"--maxpool-kernel triton needs a CUDA GPU and Triton; {why}: use --maxpool-kernel auto")
     return runs and channels_last
 
+
 def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
     """Load a (possibly prefixed) state dict; returns it as loaded (see :func:`fit_state_dict`)."""
     state_dict = fit_state_dict(model, state_dict, source)

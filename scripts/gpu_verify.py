@@ -147,7 +147,7 @@ def table(results: list, ref: str | None) -> None:
 
 
 def recipe(args, data: str) -> str:
-    return (f"main.py {data} --config configs/fashion-mnist.yaml -a resnet18 -b 128 --lr={args.lr} "
+    return (f"main.py {data} --config {args.recipe_config} -a resnet18 -b 128 --lr={args.lr} "
             f"--epochs {args.epochs} -j {args.workers} --output-dir OUT")
 
 
@@ -549,7 +549,9 @@ def jpeg_engine_use(dmon: str) -> str:
 
 
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
-                   "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1"}
+                   "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1",
+                   # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
+                   "maxpool-torch": " --maxpool-kernel torch", "maxpool-triton": " --maxpool-kernel triton"}
 
 
 def phase_recipe(args) -> None:
@@ -564,8 +566,9 @@ def phase_recipe(args) -> None:
     base = f"{PY} {recipe(args, data)} --fp16"
     variants = [(v, RECIPE_VARIANTS[v]) for v in names]
     seeds = [int(x) for x in args.seeds.split(",")]
+    gpus = max(visible_gpus(), 1)
     runs = [{"name": f"r-fp16-{v}-s{seed}", "cmd": f"{base}{extra} --seed {seed}",
-             "env": {"CUDA_VISIBLE_DEVICES": str(k % 2)}}
+             "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}}
             for k, (seed, (v, extra)) in enumerate((s_, v_) for s_ in seeds for v_ in variants)]
     results = run_group(runs, args)
     for r in results:
@@ -778,8 +781,11 @@ def main() -> int:
     p.add_argument("--shrink-epochs", type=int, default=6, help="shrink: epochs of each run (the recipe's own: 12)")
     p.add_argument("--shrink-concurrent", type=int, default=3, help="shrink: runs at once on the one GPU")
     p.add_argument("--shrink-timeout", type=int, default=400, help="shrink: seconds a run may take")
+    p.add_argument("--recipe-config", default="configs/fashion-mnist.yaml",
+                   help="recipe, precision, multigpu: the YAML recipe (configs/fashion-mnist-stem.yaml: a max-pool stem)")
     p.add_argument("--variants", default="plain,ema-ls",
-                   help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing)")
+                   help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing), "
+                        "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml)")
     p.add_argument("--e2e-epochs", type=int, default=4, help="e2e: epochs of each JPEG run (the first is left out)")
     p.add_argument("--e2e-modes", default="eager,cuda-graphs",
                    help="e2e: the step modes of the synthetic and JPEG rows (one call each fits the 10-minute limit)")

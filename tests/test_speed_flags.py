@@ -43,6 +43,22 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
     assert modes == ["reduce-overhead", None]
 
 
+def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_path, monkeypatch, capsys):
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)  # restored after the test
+    seen = []
+    real = torch.compile
+
+    def recording_compile(model, mode=None, **kw):
+        seen.append(inductor.coordinate_descent_tuning)
+        return real(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--compile", "default", "--tune-kernels")) == 0
+    assert seen == [True]
+    assert "=> kernels: Inductor tunes its kernels" in capsys.readouterr().out
+
+
 def test_compile_is_refused_under_data_parallel():
     with pytest.raises(UserError, match="DataParallel.*multiproc"):
         compile_model(torch.nn.Linear(2, 2), "default", "dp")
