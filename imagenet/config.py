@@ -351,98 +351,124 @@ def static_loss_scale(cfg: Config) -> Optional[float]:
 
 
 def validate(cfg: Config) -> None:
-    """Reject impossible combinations with one clear line each."""
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise UserError(msg)
+    """Reject impossible combinations with one clear line each (the first one found)."""
+    _check_numbers(cfg)
+    _check_input(cfg)
+    _check_run_control(cfg)
+    _check_modes(cfg)
+    _check_launch(cfg)
 
-    need(cfg.arch in ARCHS, f"unknown architecture {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
-    need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
-    need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
-    need(cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}")
-    need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
-    need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
-    need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise UserError(msg)
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Counts, rates and schedule values each in its range."""
+    _need(cfg.arch in ARCHS, f"unknown architecture {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
+    _need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
+    _need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
+    _need(cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}")
+    _need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    _need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
+    _need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
     for name in ("lr", "momentum", "weight_decay", "label_smoothing", "warmup_epochs", "lr_gamma",
                  "min_crop_scale", "hflip", "max_bad_fraction", "initial_loss_scale"):
         value = getattr(cfg, name)
-        need(math.isfinite(value), f"--{name.replace('_', '-')} must be a finite number, got {value}")
-    need(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
-    need(cfg.model_ema is None or 0 < cfg.model_ema < 1,
-         f"--model-ema is the per-step decay, in (0, 1) (e.g. 0.9998), got {cfg.model_ema}")
-    need(cfg.clip_grad_norm is None or (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm > 0),
-         f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm}")
-    need(cfg.momentum >= 0, f"--momentum must be 0 or more, got {cfg.momentum}")
-    need(cfg.weight_decay >= 0, f"--weight-decay must be 0 or more, got {cfg.weight_decay}")
-    need(0.0 <= cfg.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
-    need(cfg.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more, got {cfg.warmup_epochs}")
-    need(cfg.warmup_epochs < cfg.epochs or cfg.warmup_epochs == 0,
-         f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
-    need(cfg.lr_step >= 1, f"--lr-step must be at least 1 epoch, got {cfg.lr_step}")
-    need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
-    need(cfg.image_size >= 8, f"--image-size must be at least 8 pixels, got {cfg.image_size}")
+        _need(math.isfinite(value), f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    _need(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    _need(cfg.model_ema is None or 0 < cfg.model_ema < 1,
+          f"--model-ema is the per-step decay, in (0, 1) (e.g. 0.9998), got {cfg.model_ema}")
+    _need(cfg.clip_grad_norm is None or (math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm > 0),
+          f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm}")
+    _need(cfg.momentum >= 0, f"--momentum must be 0 or more, got {cfg.momentum}")
+    _need(cfg.weight_decay >= 0, f"--weight-decay must be 0 or more, got {cfg.weight_decay}")
+    _need(0.0 <= cfg.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    _need(cfg.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more, got {cfg.warmup_epochs}")
+    _need(cfg.warmup_epochs < cfg.epochs or cfg.warmup_epochs == 0,
+          f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
+    _need(cfg.lr_step >= 1, f"--lr-step must be at least 1 epoch, got {cfg.lr_step}")
+    _need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
+
+
+def _check_input(cfg: Config) -> None:
+    """Image sizes, the input pipeline and its augmentations."""
+    _need(cfg.image_size >= 8, f"--image-size must be at least 8 pixels, got {cfg.image_size}")
     crop = cfg.val_crop if cfg.val_crop is not None else cfg.image_size
-    need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
+    _need(crop >= 8, f"--val-crop must be at least 8 pixels, got {crop}")
     # without --val-resize: 256, or with --pretrained the weights' ratio (above 1) at this crop
     resize = cfg.val_resize if cfg.val_resize is not None else (None if cfg.pretrained else DEFAULT_VAL_RESIZE)
-    need(resize is None or resize >= crop,
-         f"--val-resize ({resize}) must be at least the validation crop ({crop}: "
-         f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
+    _need(resize is None or resize >= crop,
+          f"--val-resize ({resize}) must be at least the validation crop ({crop}: "
+          f"{'--val-crop' if cfg.val_crop is not None else '--image-size'})")
     if cfg.decode == "gpu":
-        need(cfg.data_pipeline == "fast", "--decode gpu is part of the fast pipeline; drop --data-pipeline classic")
-        need(cfg.auto_augment == "none" and cfg.random_erase == 0,
-             "--auto-augment and --random-erase run on decoded images in the workers; with --decode gpu the "
-             "workers never see pixels: use --decode cpu for those recipes")
+        _need(cfg.data_pipeline == "fast", "--decode gpu is part of the fast pipeline; drop --data-pipeline classic")
+        _need(cfg.auto_augment == "none" and cfg.random_erase == 0,
+              "--auto-augment and --random-erase run on decoded images in the workers; with --decode gpu the "
+              "workers never see pixels: use --decode cpu for those recipes")
     if cfg.progressive_resize is not None:
-        need(8 <= cfg.progressive_resize < cfg.image_size,
-             f"--progressive-resize is the starting training crop, from 8 px to below --image-size "
-             f"({cfg.image_size}), got {cfg.progressive_resize}")
-        need(not cfg.dummy, "--progressive-resize needs image files: --dummy images have one fixed size")
+        _need(8 <= cfg.progressive_resize < cfg.image_size,
+              f"--progressive-resize is the starting training crop, from 8 px to below --image-size "
+              f"({cfg.image_size}), got {cfg.progressive_resize}")
+        _need(not cfg.dummy, "--progressive-resize needs image files: --dummy images have one fixed size")
     if cfg.progressive_ramp is not None:
         parts = cfg.progressive_ramp.split(":")
         ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
-        need(ok and int(parts[0]) < int(parts[1]) <= cfg.epochs,
-             f"--progressive-ramp is FIRST:LAST, two epochs with FIRST < LAST <= --epochs ({cfg.epochs}), "
-             f"e.g. 0:{max(1, round(0.75 * cfg.epochs))}; got {cfg.progressive_ramp!r}")
-        need(cfg.progressive_resize is not None, "--progressive-ramp needs --progressive-resize MIN_SIZE")
-    need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
-    need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
-    need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")
-    need(cfg.save_every_steps >= 0, f"--save-every-steps must be 0 or more, got {cfg.save_every_steps}")
-    need(cfg.print_freq >= 1, f"--print-freq must be at least 1, got {cfg.print_freq}")
-    need(cfg.start_epoch is None or 0 <= cfg.start_epoch < cfg.epochs,
-         f"--start-epoch must be in [0, {cfg.epochs}), got {cfg.start_epoch}")
-    need(cfg.gpu is None or cfg.gpu >= 0, f"--gpu must be a device index (0, 1, ...), got {cfg.gpu}")
-    need(cfg.max_nonfinite_steps >= 0, f"--max-nonfinite-steps must be 0 or more, got {cfg.max_nonfinite_steps}")
-    need(cfg.dist_timeout >= 1, f"--dist-timeout must be at least 1 second, got {cfg.dist_timeout}")
-    need(cfg.scale_window >= 1, f"--scale-window must be at least 1, got {cfg.scale_window}")
-    need(cfg.initial_loss_scale > 0, f"--initial-loss-scale must be positive, got {cfg.initial_loss_scale}")
-    need(cfg.prof == -1 or cfg.prof >= 1, f"--prof takes a positive number of iterations, got {cfg.prof}")
+        _need(ok and int(parts[0]) < int(parts[1]) <= cfg.epochs,
+              f"--progressive-ramp is FIRST:LAST, two epochs with FIRST < LAST <= --epochs ({cfg.epochs}), "
+              f"e.g. 0:{max(1, round(0.75 * cfg.epochs))}; got {cfg.progressive_ramp!r}")
+        _need(cfg.progressive_resize is not None, "--progressive-ramp needs --progressive-resize MIN_SIZE")
+    _need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
+    _need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
+    _need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")
+
+
+def _check_run_control(cfg: Config) -> None:
+    """Saving, printing, stopping, devices, loss-scale settings, --dummy sizes."""
+    _need(cfg.save_every_steps >= 0, f"--save-every-steps must be 0 or more, got {cfg.save_every_steps}")
+    _need(cfg.print_freq >= 1, f"--print-freq must be at least 1, got {cfg.print_freq}")
+    _need(cfg.start_epoch is None or 0 <= cfg.start_epoch < cfg.epochs,
+          f"--start-epoch must be in [0, {cfg.epochs}), got {cfg.start_epoch}")
+    _need(cfg.gpu is None or cfg.gpu >= 0, f"--gpu must be a device index (0, 1, ...), got {cfg.gpu}")
+    _need(cfg.max_nonfinite_steps >= 0, f"--max-nonfinite-steps must be 0 or more, got {cfg.max_nonfinite_steps}")
+    _need(cfg.dist_timeout >= 1, f"--dist-timeout must be at least 1 second, got {cfg.dist_timeout}")
+    _need(cfg.scale_window >= 1, f"--scale-window must be at least 1, got {cfg.scale_window}")
+    _need(cfg.initial_loss_scale > 0, f"--initial-loss-scale must be positive, got {cfg.initial_loss_scale}")
+    _need(cfg.prof == -1 or cfg.prof >= 1, f"--prof takes a positive number of iterations, got {cfg.prof}")
     for name in ("dummy_train_size", "dummy_val_size", "dummy_classes"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-    need(not (cfg.fp16 and cfg.amp),
-         "--fp16 and --amp are two ways of doing mixed precision; pick one "
-         "(--fp16: fp16 model with fp32 master weights; --amp: autocast)")
-    need(not cfg.tune_kernels or cfg.compile != "off",
-         "--tune-kernels tunes the kernels torch.compile generates; add --compile default (or reduce-overhead)")
-    need(cfg.maxpool_kernel != "triton" or cfg.channels_last,
-         "--maxpool-kernel triton computes channels_last tensors only; add --channels-last (or use auto)")
-    need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
-         "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
-    need(not (cfg.pretrained and cfg.weights),
-         "--pretrained and --weights both name starting weights; pick one")
-    need(not (cfg.evaluate and cfg.resume and cfg.weights),
-         "--evaluate takes its weights from --resume or --weights, not both")
+        _need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+
+
+def _check_modes(cfg: Config) -> None:
+    """Precision, kernels, starting weights and loss scaling that exclude each other."""
+    _need(not (cfg.fp16 and cfg.amp),
+          "--fp16 and --amp are two ways of doing mixed precision; pick one "
+          "(--fp16: fp16 model with fp32 master weights; --amp: autocast)")
+    _need(not cfg.tune_kernels or cfg.compile != "off",
+          "--tune-kernels tunes the kernels torch.compile generates; add --compile default (or reduce-overhead)")
+    _need(cfg.maxpool_kernel != "triton" or cfg.channels_last,
+          "--maxpool-kernel triton computes channels_last tensors only; add --channels-last (or use auto)")
+    _need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
+          "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
+    _need(not (cfg.pretrained and cfg.weights),
+          "--pretrained and --weights both name starting weights; pick one")
+    _need(not (cfg.evaluate and cfg.resume and cfg.weights),
+          "--evaluate takes its weights from --resume or --weights, not both")
     if cfg.loss_scale is not None or cfg.dynamic_loss_scale:
-        need(cfg.fp16 or (cfg.amp and cfg.amp_dtype == "float16"),
-             "--loss-scale/--dynamic-loss-scale apply to --fp16 (or --amp with float16); add --fp16")
+        _need(cfg.fp16 or (cfg.amp and cfg.amp_dtype == "float16"),
+              "--loss-scale/--dynamic-loss-scale apply to --fp16 (or --amp with float16); add --fp16")
         _loss_scale_value(cfg)
-        need(not (cfg.dynamic_loss_scale and _loss_scale_value(cfg) is not None),
-             "--dynamic-loss-scale contradicts a static --loss-scale; give one of them")
-        need(not (cfg.amp and static_loss_scale(cfg) is not None),
-             "--amp uses a dynamic loss scale; a static --loss-scale needs --fp16")
-    need(cfg.world_size == -1 or cfg.world_size >= 1, f"--world-size must be at least 1, got {cfg.world_size}")
-    need(cfg.rank >= -1, f"--rank must be 0 or more, got {cfg.rank}")
+        _need(not (cfg.dynamic_loss_scale and _loss_scale_value(cfg) is not None),
+              "--dynamic-loss-scale contradicts a static --loss-scale; give one of them")
+        _need(not (cfg.amp and static_loss_scale(cfg) is not None),
+              "--amp uses a dynamic loss scale; a static --loss-scale needs --fp16")
+
+
+def _check_launch(cfg: Config) -> None:
+    """World size and rank."""
+    _need(cfg.world_size == -1 or cfg.world_size >= 1, f"--world-size must be at least 1, got {cfg.world_size}")
+    _need(cfg.rank >= -1, f"--rank must be 0 or more, got {cfg.rank}")
     if cfg.world_size >= 1 and cfg.rank >= 0 and not cfg.multiprocessing_distributed:
-        need(cfg.rank < cfg.world_size,
-             f"--rank {cfg.rank} is not below --world-size {cfg.world_size}; ranks are 0..world_size-1")
+        _need(cfg.rank < cfg.world_size,
+              f"--rank {cfg.rank} is not below --world-size {cfg.world_size}; ranks are 0..world_size-1")
