@@ -193,3 +193,21 @@ def fused_or_skip(groups, lr=0.1, wd=1e-4):
         return build_optimizer(groups, lr, 0.9, wd, "fused", torch.device("cpu"))
     except Exception as e:  # an older torch without fused SGD on the CPU
         pytest.skip(f"fused SGD does not run on this CPU build: {e}")
+
+
+def multiproc_dummy_run(tmp_path, arch: str, *flags, image_size: int = 64, batch: int = 32):
+    """``python -m multiproc main.py --dummy`` (DDP over NCCL, one process on GPU 0) for one
+    short epoch, channels_last; returns (the completed process, its metrics rows)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "multiproc", "main.py", "--dummy", "-a", arch, "--epochs", "1", "-b", str(batch),
+           "--image-size", str(image_size), "--dummy-train-size", str(8 * batch), "--dummy-val-size", str(2 * batch),
+           "-j", "0", "--channels-last", "--output-dir", str(tmp_path), *flags]
+    r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=400,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0"))
+    path = Path(tmp_path) / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    return r, rows

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from imagenet.errors import UserError
 from imagenet.maxpool import StemMaxPool, is_stem_pool
 from imagenet.models import create_model, use_stem_kernels, uses_stem_kernels
+from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -166,13 +167,7 @@ def test_kernels_inside_torch_compile_give_the_eager_results():
 @gpu
 @pytest.mark.parametrize("flags", [["--fp16", "--compile", "reduce-overhead"], ["--amp"]])
 def test_main_trains_with_the_kernels_under_ddp(tmp_path, flags):
-    # python -m multiproc: DDP over NCCL, one process on the one GPU.
-    cmd = [sys.executable, "-m", "multiproc", "main.py", "--dummy", "-a", "resnet18", "--epochs", "1", "-b", "32",
-           "--image-size", "64", "--dummy-train-size", "256", "--dummy-val-size", "64", "-j", "0", "--channels-last",
-           "--maxpool-kernel", "triton", "--output-dir", str(tmp_path), *flags]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0"))
+    r, rows = multiproc_dummy_run(tmp_path, "resnet18", "--maxpool-kernel", "triton", *flags)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "stem max-pool on Triton kernels" in r.stdout + r.stderr
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
