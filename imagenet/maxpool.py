@@ -76,7 +76,9 @@ if triton is not None:
         oh = (p // OW) % OH
         n = p // (OW * OH)
         best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
-        arg = tl.full((BLOCK_P, BLOCK_C), 4, tl.int32)  # the centre: always inside the image
+        # The centre is always inside the image; a window of -inf only (never after BN + ReLU)
+        # keeps it, where torch may name another of its pixels.
+        arg = tl.full((BLOCK_P, BLOCK_C), 4, tl.int32)
         for k in tl.static_range(9):
             ih = oh * 2 - 1 + k // 3
             iw = ow * 2 - 1 + k % 3
@@ -134,6 +136,7 @@ def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int
 @torch.library.custom_op("imagenet::stem_maxpool", mutates_args=())
 def stem_maxpool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pooled values, winner byte per value) of a channels_last NCHW tensor; both channels_last."""
+    x = x.contiguous(memory_format=torch.channels_last)  # the kernel reads dense NHWC; a no-op when it is
     n, c, h, w = x.shape
     oh, ow = out_size(h), out_size(w)
     y = _nhwc_empty(n, c, oh, ow, x.dtype, x.device)
@@ -153,6 +156,7 @@ def _(x):
 def stem_maxpool_backward(grad: torch.Tensor, idx: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The input's gradient from the output's (any layout) and the forward's winner bytes."""
     grad = grad.contiguous(memory_format=torch.channels_last)
+    idx = idx.contiguous(memory_format=torch.channels_last)  # as the forward wrote it: a no-op
     n, c, oh, ow = idx.shape
     dx = _nhwc_empty(n, c, height, width, grad.dtype, grad.device)
     _launch(_stem_maxpool_backward, (grad, idx, dx), n * height * width, c, height, width, oh, ow)
