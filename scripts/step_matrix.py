@@ -4,6 +4,7 @@
     python scripts/step_matrix.py --rows eager,ro,ro-b384,ro-cdt-mp --out DIR   # bench.py train rows
     python scripts/step_matrix.py --rows eager+prof,default+prof --out DIR       # + a kernel-class account
     python scripts/step_matrix.py --rows ro-mp,dummy:ro-mp --out DIR             # the same flags through main.py
+    python scripts/step_matrix.py --tests tests/test_maxpool.py --rows eager,eager-mp   # GPU tests first
 
 Every row is one process (``scripts/bench.py train`` on synthetic on-device data, or ``main.py
 --dummy`` for a ``dummy:`` row), ResNet-50 224 px ``--channels-last``, run one after another
@@ -176,6 +177,24 @@ def run_row(spec: str, args, remaining: float, log) -> dict:
     return row
 
 
+def run_tests(paths: str, limit: float, log) -> dict:
+    """``python -m pytest -q PATHS`` (the GPU tests of what the rows measure), within ``limit`` s."""
+    cmd = f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider {paths}"
+    print(f"[{time.strftime('%H:%M:%S')}] tests: {cmd}", flush=True)
+    log.write(f"\n===== tests\n$ {cmd}\n")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, shell=True, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=limit, env=dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0"))
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    log.write(output[-20000:])
+    lines = [line for line in output.splitlines() if line.strip()]
+    return {"rc": rc, "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - t0}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", required=True, help="comma list of row names (MODE[-MODIFIER...], see MODIFIERS); "
@@ -189,14 +208,17 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--budget", type=float, default=540, help="seconds for all rows")
+    p.add_argument("--tests", help="test files to run with pytest before the rows (within the budget)")
+    p.add_argument("--budget", type=float, default=540, help="seconds for the tests and all rows")
     p.add_argument("--row-timeout", type=float, default=300)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     start = time.perf_counter()
-    results = []
+    results, tests = [], None
     with open(os.path.join(args.out, "step_matrix.log"), "w") as log:
+        if args.tests:
+            tests = run_tests(args.tests, args.budget, log)
         for spec in args.rows.split(","):
             remaining = args.budget - (time.perf_counter() - start)
             if remaining < 20:
@@ -205,6 +227,8 @@ def main() -> int:
             results.append(run_row(spec, args, remaining, log))
     json.dump(results, open(os.path.join(args.out, "step_matrix.json"), "w"), indent=1)
     ref = next((r["img_per_s"] for r in results if "img_per_s" in r), None)
+    if tests is not None:
+        print(f"\ntests ({args.tests}): {tests['summary']} (exit {tests['rc']}, {tests['seconds']:.0f} s)")
     print(f"\n{args.arch} {args.image_size} px --channels-last, batch {args.batch} unless the row says; "
           f"{args.windows} windows x {args.steps} steps after {args.warmup} warm-up steps")
     print("| row | img/s (median) | spread | vs first | peak GiB | wall s |")
@@ -226,7 +250,7 @@ def main() -> int:
                 print(f"| {cls} | {ms:.2f} | {100 * share:.1f}% |")
             for name, ms, calls in r["top"]:
                 print(f"    {ms:6.2f} ms  x{calls:<4d} {name}")
-    return 0 if all(r.get("rc") == 0 for r in results) else 1
+    return 0 if all(r.get("rc") == 0 for r in results) and (tests is None or tests["rc"] == 0) else 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
 
 def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_path, monkeypatch, capsys):
     import torch._inductor.config as inductor
-    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)  # restored after the test
+    # Restored by hand: monkeypatch's undo deletes the option from Inductor's config module.
+    before, inductor.coordinate_descent_tuning = inductor.coordinate_descent_tuning, False
     seen = []
     real = torch.compile
 
@@ -54,7 +55,10 @@ def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_pat
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--compile", "default", "--tune-kernels")) == 0
+    try:
+        assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--compile", "default", "--tune-kernels")) == 0
+    finally:
+        inductor.coordinate_descent_tuning = before
     assert seen == [True]
     assert "=> kernels: Inductor tunes its kernels" in capsys.readouterr().out
 

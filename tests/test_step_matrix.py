@@ -84,3 +84,12 @@ def test_bench_sets_inductor_options_and_rejects_unknown_ones():
         bench.set_inductor_options(["no_such_knob=1"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         bench.set_inductor_options(["conv_1x1_as_mm"])
+
+
+def test_the_tests_step_reports_pytests_summary(tmp_path):
+    (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    assert False\n")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as fh:
+        result = step_matrix.run_tests(str(tmp_path / "test_two.py"), 120, fh)
+    assert result["rc"] == 1 and "1 failed, 1 passed" in result["summary"]
+    assert "assert False" in log.read_text()
