@@ -38,7 +38,7 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
     return model
 
 
-def uses_stem_kernels(model: nn.Module) -> bool:
+def has_stem_kernels(model: nn.Module) -> bool:
     """Whether the (possibly wrapped) model's max-pool runs on :mod:`imagenet.maxpool`'s kernels."""
     return any(isinstance(m, StemMaxPool) for m in unwrap(model).modules())
 

@@ -29,7 +29,7 @@ from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .metrics import EpochRecord
-from .models import pretrained_state_dict, pretrained_weights, uses_stem_kernels
+from .models import pretrained_state_dict, pretrained_weights, has_stem_kernels
 from .precision import Precision, configure_tf32, describe
 from .preemption import Preempted, StopRequest
 from .resume import resume_from
@@ -127,7 +127,7 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
                 if weights is not None else "")
     logger.info("=> precision: %s", describe(state.precision, cfg.tf32, ctx.device))
-    kernels = [k for k, on in (("stem max-pool on Triton kernels", uses_stem_kernels(state.model)),
+    kernels = [k for k, on in (("stem max-pool on Triton kernels", has_stem_kernels(state.model)),
                                ("Inductor tunes its kernels (--tune-kernels; the first steps take minutes)",
                                 cfg.tune_kernels)) if on]
     if kernels:

@@ -116,7 +116,7 @@ def build_step(args, name: str, channels_last: bool, ctx):
     optimizer step); the training state lives as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
                   lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile, tune_kernels=args.tune_kernels,
-                  maxpool_kernel=args.maxpool_kernel if channels_last or args.maxpool_kernel != "triton" else "auto")
+                  maxpool_kernel=args.maxpool_kernel)
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)

@@ -132,7 +132,6 @@ def run_row(spec: str, args, remaining: float, log) -> dict:
     flags = row_flags(base)
     limit = max(10, min(args.row_timeout, remaining))
     row = {"row": spec, "flags": flags}
-    t0 = time.perf_counter()
     if dummy:
         out = os.path.join(args.work, spec.replace(":", "_"))
         cmd = dummy_command(flags, args, args.batch, args.steps * args.windows + args.warmup, out)
@@ -145,21 +144,10 @@ def run_row(spec: str, args, remaining: float, log) -> dict:
             ppath = os.path.join(args.out, f"profile-{base}.json")
             cmd += f" --profile {args.profile_steps} --profile-json {ppath}"
     row["command"] = cmd
-    print(f"[{time.strftime('%H:%M:%S')}] {spec}: {cmd}", flush=True)
-    log.write(f"\n===== {spec}\n$ {cmd}\n")
+    output, row["rc"], row["seconds"] = _run(spec, cmd, limit, log)
+    log.write(output[-6000:] if row["rc"] == 0 else output[-12000:])
     log.flush()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
-    try:
-        proc = subprocess.run(cmd, shell=True, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=limit)
-        output, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-    row["seconds"] = time.perf_counter() - t0
-    row["rc"] = rc
-    log.write(output[-6000:] if rc == 0 else output[-12000:])
-    log.flush()
-    if rc != 0:
+    if row["rc"] != 0:
         return row
     if dummy:
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -177,22 +165,28 @@ def run_row(spec: str, args, remaining: float, log) -> dict:
     return row
 
 
-def run_tests(paths: str, limit: float, log) -> dict:
-    """``python -m pytest -q PATHS`` (the GPU tests of what the rows measure), within ``limit`` s."""
-    cmd = f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider {paths}"
-    print(f"[{time.strftime('%H:%M:%S')}] tests: {cmd}", flush=True)
-    log.write(f"\n===== tests\n$ {cmd}\n")
+def _run(label: str, cmd: str, limit: float, log) -> tuple:
+    """Run ``cmd`` in the repository within ``limit`` s: (its output, exit status or "timeout", seconds)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {cmd}", flush=True)
+    log.write(f"\n===== {label}\n$ {cmd}\n")
+    log.flush()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, shell=True, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=limit, env=dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0"))
         output, rc = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as e:
-        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc = "timeout"
+        output, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""), "timeout"
+    return output, rc, time.perf_counter() - t0
+
+
+def run_tests(paths: str, limit: float, log) -> dict:
+    """``python -m pytest -q PATHS`` (the GPU tests of what the rows measure), within ``limit`` s."""
+    output, rc, seconds = _run("tests", f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider {paths}",
+                               limit, log)
     log.write(output[-20000:])
     lines = [line for line in output.splitlines() if line.strip()]
-    return {"rc": rc, "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - t0}
+    return {"rc": rc, "summary": lines[-1] if lines else "", "seconds": seconds}
 
 
 def main() -> int:

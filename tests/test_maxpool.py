@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from imagenet.errors import UserError
 from imagenet.maxpool import StemMaxPool, is_stem_pool
-from imagenet.models import create_model, use_stem_kernels, uses_stem_kernels
+from imagenet.models import create_model, use_stem_kernels, has_stem_kernels
 from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,11 +83,11 @@ def test_the_model_keeps_torchvisions_state_dict_and_outputs():
     plain = create_model("resnet18", 10)
     torch.manual_seed(0)
     fast = create_model("resnet18", 10, stem_kernels=True)
-    assert isinstance(fast.maxpool, StemMaxPool) and uses_stem_kernels(fast) and not uses_stem_kernels(plain)
+    assert isinstance(fast.maxpool, StemMaxPool) and has_stem_kernels(fast) and not has_stem_kernels(plain)
     assert list(plain.state_dict()) == list(fast.state_dict())
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(plain(x), fast(x))
-    assert not uses_stem_kernels(create_model("resnet18", 10, small_stem=True, stem_kernels=True))
+    assert not has_stem_kernels(create_model("resnet18", 10, small_stem=True, stem_kernels=True))
 
 
 def test_only_the_stem_geometry_counts_as_a_stem_pool():
