@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # --compile (torch.compile modes)
 MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/maxpool.py)
+BN_KERNELS = ("torch", "triton")  # --bn-kernel (imagenet/fusedbn.py)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
@@ -71,6 +72,7 @@ class Config:
     compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
     tune_kernels: bool = False  # with --compile: tune each generated kernel's launch settings (coordinate descent)
     maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, --channels-last) | torch | triton
+    bn_kernel: str = "torch"  # training BatchNorm + add + ReLU: torch (its modules) | triton (fused, eager only)
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -146,7 +148,8 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS}
+            "compile": COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS,
+            "bn_kernel": BN_KERNELS}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
@@ -451,6 +454,12 @@ def _check_modes(cfg: Config) -> None:
           "--maxpool-kernel triton computes channels_last tensors only; add --channels-last (or use auto)")
     _need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
           "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
+    if cfg.bn_kernel == "triton":
+        _need(cfg.channels_last, "--bn-kernel triton computes channels_last tensors only; add --channels-last")
+        _need(cfg.compile == "off", "--bn-kernel triton is for eager runs: --compile fuses BatchNorm, add and ReLU "
+                                    "itself; drop one of them")
+        _need(not cfg.sync_bn, "--bn-kernel triton computes per-process statistics; --sync-bn needs torch's "
+                               "SyncBatchNorm: drop one of them")
     _need(not (cfg.pretrained and cfg.weights),
           "--pretrained and --weights both name starting weights; pick one")
     _need(not (cfg.evaluate and cfg.resume and cfg.weights),

@@ -12,6 +12,8 @@ import torchvision
 
 from .config import ARCHS
 from .errors import UserError
+from .fusedbn import fuse_resnet, uses_bn_kernels
+from .fusedbn import available as bn_kernels_available
 from .maxpool import StemMaxPool, is_stem_pool
 from .maxpool import available as maxpool_kernels_available
 from .torch_private import inductor_tune_kernels
@@ -20,9 +22,11 @@ from .wrappers import strip_prefix, unwrap
 logger = logging.getLogger(__name__)
 
 
-def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False) -> nn.Module:
+def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False,
+                 bn_kernels: bool = False) -> nn.Module:
     """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
-    its max-pool computed by :mod:`imagenet.maxpool`'s kernels (same results, same state dict)."""
+    its max-pool computed by :mod:`imagenet.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
+    with their adds and ReLUs by :mod:`imagenet.fusedbn`'s (same state dict either way)."""
     if arch not in ARCHS:
         raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
@@ -35,12 +39,19 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
         model.maxpool = nn.Identity()
     elif stem_kernels and is_stem_pool(model.maxpool):
         model.maxpool = StemMaxPool()
+    if bn_kernels:
+        fuse_resnet(model)
     return model
 
 
 def has_stem_kernels(model: nn.Module) -> bool:
     """Whether the (possibly wrapped) model's max-pool runs on :mod:`imagenet.maxpool`'s kernels."""
     return any(isinstance(m, StemMaxPool) for m in unwrap(model).modules())
+
+
+def has_fused_bn(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model's BatchNorms run on :mod:`imagenet.fusedbn`'s kernels."""
+    return uses_bn_kernels(unwrap(model))
 
 
 def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small_stem: bool) -> bool:
@@ -53,6 +64,17 @@ def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small
         why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
         raise UserError(f"--maxpool-kernel triton needs a CUDA GPU and Triton; {why}: use --maxpool-kernel auto")
     return runs and channels_last
+
+
+def use_bn_kernels(kind: str, device: torch.device) -> bool:
+    """Whether ``--bn-kernel kind`` runs the fused BatchNorm kernels here (a UserError where it asks
+    for them and they cannot run). Triton's interpreter (TRITON_INTERPRET=1) runs them on a CPU."""
+    if kind == "torch":
+        return False
+    if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and bn_kernels_available()):
+        why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
+        raise UserError(f"--bn-kernel triton needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
+    return True
 
 
 def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:

@@ -29,7 +29,7 @@ from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .errors import EXIT_USER_ERROR, UserError
 from .metrics import EpochRecord
-from .models import pretrained_state_dict, pretrained_weights, has_stem_kernels
+from .models import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
 from .precision import Precision, configure_tf32, describe
 from .preemption import Preempted, StopRequest
 from .resume import resume_from
@@ -128,6 +128,7 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 if weights is not None else "")
     logger.info("=> precision: %s", describe(state.precision, cfg.tf32, ctx.device))
     kernels = [k for k, on in (("stem max-pool on Triton kernels", has_stem_kernels(state.model)),
+                               ("BatchNorm + add + ReLU fused in Triton", has_fused_bn(state.model)),
                                ("Inductor tunes its kernels (--tune-kernels; the first steps take minutes)",
                                 cfg.tune_kernels)) if on]
     if kernels:

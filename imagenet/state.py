@@ -26,7 +26,7 @@ from .ema import ModelEma
 from .engine import lr_lambda
 from .errors import UserError
 from .mixing import BatchMixer
-from .models import compile_model, create_model, load_weights_into, use_stem_kernels
+from .models import compile_model, create_model, load_weights_into, use_bn_kernels, use_stem_kernels
 from .precision import Precision, build_precision
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     precision object to use instead of ``cfg``'s (benchmarks of a variant). The caller seeds
     the RNGs first: the model's initialisation draws from them."""
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
-                         use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem))
+                         use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
+                         use_bn_kernels(cfg.bn_kernel, ctx.device))
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:

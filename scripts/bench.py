@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from imagenet import distributed  # noqa: E402
-from imagenet.config import ARCHS, COMPILE_MODES, MAXPOOL_KERNELS, Config, validate  # noqa: E402
+from imagenet.config import ARCHS, BN_KERNELS, COMPILE_MODES, MAXPOOL_KERNELS, Config, validate  # noqa: E402
 from imagenet.errors import UserError  # noqa: E402
 from imagenet.models import create_model  # noqa: E402
 from imagenet.optim import IMPLS  # noqa: E402
@@ -116,7 +116,7 @@ def build_step(args, name: str, channels_last: bool, ctx):
     optimizer step); the training state lives as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
                   lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile, tune_kernels=args.tune_kernels,
-                  maxpool_kernel=args.maxpool_kernel)
+                  maxpool_kernel=args.maxpool_kernel, bn_kernel=args.bn_kernel)
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)
@@ -197,7 +197,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
     return {"precision": name, "channels_last": channels_last, "img_per_s": statistics.median(rates),
             "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
             "devices": ctx.n_devices, "batch": args.batch_size, "compile": args.compile,
-            "tune_kernels": args.tune_kernels, "maxpool_kernel": args.maxpool_kernel,
+            "tune_kernels": args.tune_kernels, "maxpool_kernel": args.maxpool_kernel, "bn_kernel": args.bn_kernel,
             "optimizer": args.optimizer_impl}
 
 
@@ -366,6 +366,8 @@ def main(argv=None) -> int:
     t.add_argument("--tune-kernels", action="store_true", help="as main.py's: Inductor tunes its kernels (--compile)")
     t.add_argument("--maxpool-kernel", choices=MAXPOOL_KERNELS, default="auto",
                    help="as main.py's: the stem max-pool's kernels (auto: Triton on a GPU with channels_last)")
+    t.add_argument("--bn-kernel", choices=BN_KERNELS, default="torch",
+                   help="as main.py's: BatchNorm + add + ReLU fused in Triton (eager, channels_last)")
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
     t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")

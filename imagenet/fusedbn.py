@@ -1,0 +1,324 @@
+"""Training-mode BatchNorm fused with the residual add and the ReLU, in Triton (``--bn-kernel triton``).
+
+Why: in an eager ResNet-50 step (one H200, batch 256, ``--fp16 --channels-last``) cuDNN's
+BatchNorm takes 13.7 ms and the separate ReLU, residual add and their gradients another 10.1 ms
+of the 39.5 ms step (docs/BENCHMARKS.md, run Y3). Each of those is a pass over the activations
+in memory. Fused, one BatchNorm layer with its add and ReLU costs the passes the arithmetic
+needs and no more:
+
+* forward: one pass for the per-channel mean and variance (Welford per tile, the tiles' partial
+  results combined in a fixed order, so the result is deterministic), one pass that normalises,
+  adds the residual and applies the ReLU;
+* backward: one pass for the two per-channel sums (of the ReLU-masked gradient and of it times
+  the centred input), one pass that writes the input's gradient (and the residual's).
+
+This is what Inductor generates for the same layers under ``--compile`` (the run's figures are
+in docs/BENCHMARKS.md), without the compilation. The arithmetic is in float32 whatever the
+activations' dtype; the output and gradients are rounded once, where torch rounds BatchNorm's
+output before the add. The running statistics follow torch's rule (momentum, unbiased variance).
+
+Only channels_last tensors on CUDA (or under ``TRITON_INTERPRET=1``) of a plain
+``nn.BatchNorm2d`` with affine parameters, running statistics and a fixed momentum take the
+kernels, in training mode; everything else (evaluation, other layers) runs torch's modules.
+:func:`fuse_resnet` rewires torchvision's ResNet blocks to call :func:`bn_act` and keeps every
+module, parameter and buffer name, so state dicts are torchvision's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch without Triton
+    triton = None
+
+TILE = 4096  # elements per program tile (BLOCK_M x BLOCK_C)
+PARTIALS = 256  # at most this many row ranges per channel block; their partial results are combined in order
+
+
+def available() -> bool:
+    """Whether the kernels can run: Triton and a CUDA GPU of compute capability 7.0 or later
+    (Inductor's minimum), or Triton's interpreter."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
+
+
+def takes(x: torch.Tensor, bn: nn.Module) -> bool:
+    """Whether ``bn(x)`` (with its add and ReLU) goes through the kernels."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and bn.training and type(bn) is nn.BatchNorm2d and bn.affine
+            and bn.track_running_stats and bn.momentum is not None and (x.is_cuda or interpreted)
+            and x.dim() == 4 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and x.is_contiguous(memory_format=torch.channels_last) and x.numel() > 0
+            and x.shape[0] * x.shape[2] * x.shape[3] > 1)
+
+
+if triton is not None:
+    @triton.jit
+    def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Rows ROWS * pid .. of the [M, C] view, one channel block: Welford over BLOCK_M-row chunks.
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        n = tl.zeros((BLOCK_C,), tl.float32)
+        mean = tl.zeros((BLOCK_C,), tl.float32)
+        m2 = tl.zeros((BLOCK_C,), tl.float32)
+        first = tl.program_id(0) * ROWS
+        for start in range(0, ROWS, BLOCK_M):
+            r = first + start + tl.arange(0, BLOCK_M)
+            r_ok = r < M
+            mask = r_ok[:, None] & c_ok[None, :]
+            x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            count = tl.sum(r_ok.to(tl.float32), 0)
+            chunk_mean = tl.sum(x, 0) / tl.maximum(count, 1.0)
+            d = tl.where(mask, x - chunk_mean[None, :], 0.0)
+            total = n + count
+            frac = count / tl.maximum(total, 1.0)
+            delta = chunk_mean - mean
+            mean = mean + delta * frac
+            m2 = m2 + tl.sum(d * d, 0) + delta * delta * n * frac
+            n = total
+        out = tl.program_id(0) * C + c
+        tl.store(pmean_ptr + out, mean, mask=c_ok)
+        tl.store(pm2_ptr + out, m2, mask=c_ok)
+
+    @triton.jit
+    def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, P, ROWS, eps, momentum,
+                      BLOCK_C: tl.constexpr):
+        # The P partial results of each channel, combined in order; then torch's running-statistics update.
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        n = tl.zeros((BLOCK_C,), tl.float32)
+        mean = tl.zeros((BLOCK_C,), tl.float32)
+        m2 = tl.zeros((BLOCK_C,), tl.float32)
+        for p in range(0, P):
+            count = tl.minimum(ROWS, M - p * ROWS).to(tl.float32)
+            pm = tl.load(pmean_ptr + p * C + c, mask=c_ok, other=0.0)
+            pm2 = tl.load(pm2_ptr + p * C + c, mask=c_ok, other=0.0)
+            total = n + count
+            frac = count / total
+            delta = pm - mean
+            mean = mean + delta * frac
+            m2 = m2 + pm2 + delta * delta * n * frac
+            n = total
+        var = m2 / M
+        tl.store(mean_ptr + c, mean, mask=c_ok)
+        tl.store(invstd_ptr + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+        rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
+        unbiased = var * M / tl.maximum(M - 1, 1)
+        tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _apply(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
+               HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mask = (r < M)[:, None] & c_ok[None, :]
+        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean_ptr + c, mask=c_ok, other=0.0) * scale
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
+        if HAS_RES:
+            z += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if RELU:
+            z = tl.where(z < 0, 0.0, z)  # torch's ReLU: NaN stays NaN
+        tl.store(y_ptr + offs, z.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _partial_grad(dy_ptr, y_ptr, x_ptr, mean_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
+                      RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        sg = tl.zeros((BLOCK_C,), tl.float32)
+        sgx = tl.zeros((BLOCK_C,), tl.float32)
+        first = tl.program_id(0) * ROWS
+        for start in range(0, ROWS, BLOCK_M):
+            r = first + start + tl.arange(0, BLOCK_M)
+            mask = (r < M)[:, None] & c_ok[None, :]
+            offs = r.to(tl.int64)[:, None] * C + c[None, :]
+            g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if RELU:
+                y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = tl.where(y <= 0, 0.0, g)  # torch's ReLU gradient (a NaN output passes it)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            sg += tl.sum(g, 0)
+            sgx += tl.sum(tl.where(mask, g * (x - mean[None, :]), 0.0), 0)
+        out = tl.program_id(0) * C + c
+        tl.store(psg_ptr + out, sg, mask=c_ok)
+        tl.store(psgx_ptr + out, sgx, mask=c_ok)
+
+    @triton.jit
+    def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P, BLOCK_C: tl.constexpr):
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        sg = tl.zeros((BLOCK_C,), tl.float32)
+        sgx = tl.zeros((BLOCK_C,), tl.float32)
+        for p in range(0, P):
+            sg += tl.load(psg_ptr + p * C + c, mask=c_ok, other=0.0)
+            sgx += tl.load(psgx_ptr + p * C + c, mask=c_ok, other=0.0)
+        tl.store(sg_ptr + c, sg, mask=c_ok)
+        tl.store(sgx_ptr + c, sgx, mask=c_ok)
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        tl.store(dw_ptr + c, (sgx * invstd).to(dw_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _grad_input(dy_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, sg_ptr, sgx_ptr, M, C,
+                    HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mask = (r < M)[:, None] & c_ok[None, :]
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        k = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        mean_g = tl.load(sg_ptr + c, mask=c_ok, other=0.0) / M
+        proj = tl.load(sgx_ptr + c, mask=c_ok, other=0.0) * invstd * invstd / M
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if RELU:
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.where(y <= 0, 0.0, g)
+        if HAS_RES:
+            tl.store(dr_ptr + offs, g.to(dr_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dx = k[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _layout(m: int, c: int) -> tuple:
+    """(BLOCK_M, BLOCK_C, rows per partial, partials) for an [m, c] activation."""
+    block_c = min(triton.next_power_of_2(c), 128)
+    block_m = TILE // block_c
+    chunks = triton.cdiv(m, block_m)
+    rows = block_m * triton.cdiv(chunks, PARTIALS)
+    return block_m, block_c, rows, triton.cdiv(m, rows)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A channels_last NCHW tensor as its [N*H*W, C] matrix (no copy)."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+class _BNAct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var, momentum: float, eps: float, relu: bool):
+        n, c, h, w = x.shape
+        m = n * h * w
+        block_m, block_c, rows, parts = _layout(m, c)
+        xs = _rows(x)
+        f32 = dict(dtype=torch.float32, device=x.device)
+        pmean, pm2 = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
+        mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
+        _partial_stats[(parts, triton.cdiv(c, block_c))](xs, pmean, pm2, m, c, rows, BLOCK_M=block_m, BLOCK_C=block_c)
+        _finish_stats[(triton.cdiv(c, block_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
+                                                    rows, eps, momentum, BLOCK_C=block_c)
+        y = torch.empty_like(x, memory_format=torch.channels_last)
+        has_res = residual is not None
+        res = _rows(residual.contiguous(memory_format=torch.channels_last)) if has_res else xs
+        _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+            xs, res, _rows(y), mean, invstd, weight, bias, m, c,
+            HAS_RES=has_res, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c)
+        ctx.save_for_backward(x, y, mean, invstd, weight)
+        ctx.relu, ctx.has_res = relu, has_res
+        ctx.residual_dtype = residual.dtype if has_res else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, y, mean, invstd, weight = ctx.saved_tensors
+        n, c, h, w = x.shape
+        m = n * h * w
+        block_m, block_c, rows, parts = _layout(m, c)
+        dys = _rows(dy.contiguous(memory_format=torch.channels_last))
+        xs, ys = _rows(x), _rows(y)
+        f32 = dict(dtype=torch.float32, device=x.device)
+        psg, psgx = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
+        sg, sgx = torch.empty(c, **f32), torch.empty(c, **f32)
+        dw, db = torch.empty_like(weight), torch.empty_like(weight)
+        _partial_grad[(parts, triton.cdiv(c, block_c))](dys, ys, xs, mean, psg, psgx, m, c, rows,
+                                                        RELU=ctx.relu, BLOCK_M=block_m, BLOCK_C=block_c)
+        _finish_grad[(triton.cdiv(c, block_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts, BLOCK_C=block_c)
+        dx = torch.empty_like(x, memory_format=torch.channels_last)
+        dr = torch.empty_like(x, dtype=ctx.residual_dtype, memory_format=torch.channels_last) if ctx.has_res else None
+        _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+            dys, ys, xs, _rows(dx), _rows(dr) if dr is not None else xs, mean, invstd, weight, sg, sgx, m, c,
+            HAS_RES=ctx.has_res, RELU=ctx.relu, BLOCK_M=block_m, BLOCK_C=block_c)
+        return dx, dw, db, dr, None, None, None, None, None
+
+
+def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
+           relu: bool = True) -> torch.Tensor:
+    """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`."""
+    if not takes(x, bn):
+        out = bn(x)
+        if residual is not None:
+            out = out + residual
+        return F.relu(out) if relu else out
+    bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
+    return _BNAct.apply(x, bn.weight, bn.bias, residual, bn.running_mean, bn.running_var, float(bn.momentum),
+                        float(bn.eps), relu)
+
+
+def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    ds = block.downsample
+    if ds is None:
+        return x
+    if isinstance(ds, nn.Sequential) and len(ds) == 2 and isinstance(ds[1], nn.BatchNorm2d):
+        return bn_act(ds[0](x), ds[1], relu=False)
+    return ds(x)
+
+
+class FusedBasicBlock(BasicBlock):
+    """torchvision's BasicBlock with its BatchNorms, add and ReLUs through :func:`bn_act`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = bn_act(self.conv1(x), self.bn1)
+        return bn_act(self.conv2(out), self.bn2, residual=_downsample(self, x))
+
+
+class FusedBottleneck(Bottleneck):
+    """torchvision's Bottleneck with its BatchNorms, add and ReLUs through :func:`bn_act`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = bn_act(self.conv1(x), self.bn1)
+        out = bn_act(self.conv2(out), self.bn2)
+        return bn_act(self.conv3(out), self.bn3, residual=_downsample(self, x))
+
+
+class FusedResNet(ResNet):
+    """torchvision's ResNet with the stem's BatchNorm and ReLU through :func:`bn_act`."""
+
+    def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(bn_act(self.conv1(x), self.bn1))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def fuse_resnet(model: nn.Module) -> nn.Module:
+    """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
+    place: every module, parameter and buffer keeps its name, so the state dict is unchanged."""
+    swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
+    for module in model.modules():
+        if type(module) in swaps:
+            module.__class__ = swaps[type(module)]
+    return model
+
+
+def uses_bn_kernels(model: nn.Module) -> bool:
+    return any(isinstance(m, (FusedResNet, FusedBasicBlock, FusedBottleneck)) for m in model.modules())
