@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from imagenet.errors import UserError
 from imagenet.models import create_model, use_bn_kernels, has_fused_bn
+from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -220,13 +221,7 @@ def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu():
 @gpu
 @pytest.mark.parametrize("flags", [["--fp16"], ["--amp"]])
 def test_main_trains_with_the_kernels_under_ddp(tmp_path, flags):
-    # python -m multiproc: DDP over NCCL, one process on the one GPU.
-    cmd = [sys.executable, "-m", "multiproc", "main.py", "--dummy", "-a", "resnet50", "--epochs", "1", "-b", "32",
-           "--image-size", "64", "--dummy-train-size", "256", "--dummy-val-size", "64", "-j", "0", "--channels-last",
-           "--bn-kernel", "triton", "--output-dir", str(tmp_path), *flags]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0"))
+    r, rows = multiproc_dummy_run(tmp_path, "resnet50", "--bn-kernel", "triton", *flags)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "BatchNorm + add + ReLU fused in Triton" in r.stdout + r.stderr
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
