@@ -41,7 +41,9 @@ except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
 TILE = 4096  # elements per program tile (BLOCK_M x BLOCK_C)
-PARTIALS = 256  # at most this many row ranges per channel block; their partial results are combined in order
+PROGRAMS_PER_SM = 8  # the reductions' programs (row ranges x channel blocks) aimed at per multiprocessor
+PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
+BLOCK_P = 64  # partial results combined per step of the finishing kernels
 
 
 def available() -> bool:
@@ -67,49 +69,56 @@ def takes(x: torch.Tensor, bn: nn.Module) -> bool:
 if triton is not None:
     @triton.jit
     def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Rows ROWS * pid .. of the [M, C] view, one channel block: Welford over BLOCK_M-row chunks.
+        # Rows ROWS * pid .. of the [M, C] view, one channel block: sums of x - shift and of its
+        # square, element-wise in registers, reduced once at the end (the shift, the block's
+        # first row, keeps the variance's cancellation small); stored as (mean, M2).
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        n = tl.zeros((BLOCK_C,), tl.float32)
-        mean = tl.zeros((BLOCK_C,), tl.float32)
-        m2 = tl.zeros((BLOCK_C,), tl.float32)
         first = tl.program_id(0) * ROWS
+        shift = tl.load(x_ptr + first.to(tl.int64) * C + c, mask=c_ok, other=0.0).to(tl.float32)
+        s1 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        s2 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
         for start in range(0, ROWS, BLOCK_M):
             r = first + start + tl.arange(0, BLOCK_M)
-            r_ok = r < M
-            mask = r_ok[:, None] & c_ok[None, :]
+            mask = (r < M)[:, None] & c_ok[None, :]
             x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            count = tl.sum(r_ok.to(tl.float32), 0)
-            chunk_mean = tl.sum(x, 0) / tl.maximum(count, 1.0)
-            d = tl.where(mask, x - chunk_mean[None, :], 0.0)
-            total = n + count
-            frac = count / tl.maximum(total, 1.0)
-            delta = chunk_mean - mean
-            mean = mean + delta * frac
-            m2 = m2 + tl.sum(d * d, 0) + delta * delta * n * frac
-            n = total
+            d = tl.where(mask, x - shift[None, :], 0.0)
+            s1 += d
+            s2 += d * d
+        n = tl.minimum(ROWS, M - first).to(tl.float32)
+        t1 = tl.sum(s1, 0)
         out = tl.program_id(0) * C + c
-        tl.store(pmean_ptr + out, mean, mask=c_ok)
-        tl.store(pm2_ptr + out, m2, mask=c_ok)
+        tl.store(pmean_ptr + out, shift + t1 / n, mask=c_ok)
+        tl.store(pm2_ptr + out, tl.maximum(tl.sum(s2, 0) - t1 * t1 / n, 0.0), mask=c_ok)
 
     @triton.jit
     def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, P, ROWS, eps, momentum,
-                      BLOCK_C: tl.constexpr):
-        # The P partial results of each channel, combined in order; then torch's running-statistics update.
+                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # The P partial results of each channel, BLOCK_P at a time (each tile combined exactly:
+        # its count-weighted mean, then its M2 about that mean), tiles in order; then torch's
+        # running-statistics update.
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         n = tl.zeros((BLOCK_C,), tl.float32)
         mean = tl.zeros((BLOCK_C,), tl.float32)
         m2 = tl.zeros((BLOCK_C,), tl.float32)
-        for p in range(0, P):
-            count = tl.minimum(ROWS, M - p * ROWS).to(tl.float32)
-            pm = tl.load(pmean_ptr + p * C + c, mask=c_ok, other=0.0)
-            pm2 = tl.load(pm2_ptr + p * C + c, mask=c_ok, other=0.0)
-            total = n + count
-            frac = count / total
-            delta = pm - mean
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            p_ok = p < P
+            count = tl.where(p_ok, tl.minimum(ROWS, M - p * ROWS), 0).to(tl.float32)
+            mask = p_ok[:, None] & c_ok[None, :]
+            offs = p[:, None] * C + c[None, :]
+            pm = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
+            pm2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
+            tile_n = tl.sum(count, 0)
+            tile_mean = tl.sum(pm * count[:, None], 0) / tile_n
+            dev = tl.where(mask, pm - tile_mean[None, :], 0.0)
+            tile_m2 = tl.sum(pm2, 0) + tl.sum(dev * dev * count[:, None], 0)
+            total = n + tile_n
+            frac = tile_n / total
+            delta = tile_mean - mean
             mean = mean + delta * frac
-            m2 = m2 + pm2 + delta * delta * n * frac
+            m2 = m2 + tile_m2 + delta * delta * n * frac
             n = total
         var = m2 / M
         tl.store(mean_ptr + c, mean, mask=c_ok)
@@ -127,8 +136,10 @@ if triton is not None:
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mask = (r < M)[:, None] & c_ok[None, :]
-        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean_ptr + c, mask=c_ok, other=0.0) * scale
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
         if HAS_RES:
@@ -144,8 +155,8 @@ if triton is not None:
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        sg = tl.zeros((BLOCK_C,), tl.float32)
-        sgx = tl.zeros((BLOCK_C,), tl.float32)
+        sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
+        sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
         first = tl.program_id(0) * ROWS
         for start in range(0, ROWS, BLOCK_M):
             r = first + start + tl.arange(0, BLOCK_M)
@@ -156,21 +167,25 @@ if triton is not None:
                 y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 g = tl.where(y <= 0, 0.0, g)  # torch's ReLU gradient (a NaN output passes it)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            sg += tl.sum(g, 0)
-            sgx += tl.sum(tl.where(mask, g * (x - mean[None, :]), 0.0), 0)
+            sg += g
+            sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
         out = tl.program_id(0) * C + c
-        tl.store(psg_ptr + out, sg, mask=c_ok)
-        tl.store(psgx_ptr + out, sgx, mask=c_ok)
+        tl.store(psg_ptr + out, tl.sum(sg, 0), mask=c_ok)
+        tl.store(psgx_ptr + out, tl.sum(sgx, 0), mask=c_ok)
 
     @triton.jit
-    def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P, BLOCK_C: tl.constexpr):
+    def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P,
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         sg = tl.zeros((BLOCK_C,), tl.float32)
         sgx = tl.zeros((BLOCK_C,), tl.float32)
-        for p in range(0, P):
-            sg += tl.load(psg_ptr + p * C + c, mask=c_ok, other=0.0)
-            sgx += tl.load(psgx_ptr + p * C + c, mask=c_ok, other=0.0)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < P)[:, None] & c_ok[None, :]
+            offs = p[:, None] * C + c[None, :]
+            sg += tl.sum(tl.load(psg_ptr + offs, mask=mask, other=0.0), 0)
+            sgx += tl.sum(tl.load(psgx_ptr + offs, mask=mask, other=0.0), 0)
         tl.store(sg_ptr + c, sg, mask=c_ok)
         tl.store(sgx_ptr + c, sgx, mask=c_ok)
         invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
@@ -201,12 +216,18 @@ if triton is not None:
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _layout(m: int, c: int) -> tuple:
-    """(BLOCK_M, BLOCK_C, rows per partial, partials) for an [m, c] activation."""
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _layout(m: int, c: int, device: torch.device) -> tuple:
+    """(BLOCK_M, BLOCK_C, rows per partial, partials) for an [m, c] activation: enough row
+    ranges that the reductions give every multiprocessor PROGRAMS_PER_SM programs."""
     block_c = min(triton.next_power_of_2(c), 128)
     block_m = TILE // block_c
     chunks = triton.cdiv(m, block_m)
-    rows = block_m * triton.cdiv(chunks, PARTIALS)
+    partials = PARTIALS or triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), triton.cdiv(c, block_c))
+    rows = block_m * triton.cdiv(chunks, partials)
     return block_m, block_c, rows, triton.cdiv(m, rows)
 
 
@@ -220,21 +241,23 @@ class _BNAct(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, running_mean, running_var, momentum: float, eps: float, relu: bool):
         n, c, h, w = x.shape
         m = n * h * w
-        block_m, block_c, rows, parts = _layout(m, c)
+        block_m, block_c, rows, parts = _layout(m, c, x.device)
         xs = _rows(x)
         f32 = dict(dtype=torch.float32, device=x.device)
         pmean, pm2 = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
         mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
         _partial_stats[(parts, triton.cdiv(c, block_c))](xs, pmean, pm2, m, c, rows, BLOCK_M=block_m, BLOCK_C=block_c)
         _finish_stats[(triton.cdiv(c, block_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
-                                                    rows, eps, momentum, BLOCK_C=block_c)
+                                                    rows, eps, momentum, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
         y = torch.empty_like(x, memory_format=torch.channels_last)
         has_res = residual is not None
         res = _rows(residual.contiguous(memory_format=torch.channels_last)) if has_res else xs
         _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
             xs, res, _rows(y), mean, invstd, weight, bias, m, c,
             HAS_RES=has_res, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c)
-        ctx.save_for_backward(x, y, mean, invstd, weight)
+        # y only for the ReLU's mask: without a ReLU (the downsample's BatchNorm) keeping it would
+        # hold the residual alive for the whole backward pass
+        ctx.save_for_backward(x, y if relu else None, mean, invstd, weight)
         ctx.relu, ctx.has_res = relu, has_res
         ctx.residual_dtype = residual.dtype if has_res else None
         return y
@@ -244,16 +267,18 @@ class _BNAct(torch.autograd.Function):
         x, y, mean, invstd, weight = ctx.saved_tensors
         n, c, h, w = x.shape
         m = n * h * w
-        block_m, block_c, rows, parts = _layout(m, c)
+        block_m, block_c, rows, parts = _layout(m, c, x.device)
         dys = _rows(dy.contiguous(memory_format=torch.channels_last))
-        xs, ys = _rows(x), _rows(y)
+        xs = _rows(x)
+        ys = _rows(y) if y is not None else xs  # not read without a ReLU
         f32 = dict(dtype=torch.float32, device=x.device)
         psg, psgx = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
         sg, sgx = torch.empty(c, **f32), torch.empty(c, **f32)
         dw, db = torch.empty_like(weight), torch.empty_like(weight)
         _partial_grad[(parts, triton.cdiv(c, block_c))](dys, ys, xs, mean, psg, psgx, m, c, rows,
                                                         RELU=ctx.relu, BLOCK_M=block_m, BLOCK_C=block_c)
-        _finish_grad[(triton.cdiv(c, block_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts, BLOCK_C=block_c)
+        _finish_grad[(triton.cdiv(c, block_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
+                                                 BLOCK_P=BLOCK_P, BLOCK_C=block_c)
         dx = torch.empty_like(x, memory_format=torch.channels_last)
         dr = torch.empty_like(x, dtype=ctx.residual_dtype, memory_format=torch.channels_last) if ctx.has_res else None
         _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](

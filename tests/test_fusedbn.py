@@ -33,12 +33,20 @@ def _reference(x, bn, residual, relu):
     return F.relu(out) if relu else out
 
 
-def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials: int = 2) -> list:
+def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=2) -> list:
     """bn_act against BatchNorm2d (+ add) (+ ReLU) computed in float64: output, the gradients of
     the input, weight, bias and residual, the running statistics; worst relative error per case.
-    ``partials`` small makes the larger layers combine several partial results (``parts``)."""
+    ``partials`` small makes the larger layers combine several partial results (``parts``);
+    None: as many as the GPU's size asks for."""
     from imagenet import fusedbn
-    fusedbn.PARTIALS = partials
+    before, fusedbn.PARTIALS = fusedbn.PARTIALS, partials
+    try:
+        return _compare_layers(fusedbn, device, dtypes)
+    finally:
+        fusedbn.PARTIALS = before
+
+
+def _compare_layers(fusedbn, device: str, dtypes) -> list:
     g = torch.Generator().manual_seed(0)
     rows = []
     for name in dtypes:
@@ -67,7 +75,7 @@ def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials:
                     pairs.append((ra.grad, rb.grad))
                 err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
                 rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu}",
-                             "parts": fusedbn._layout(n * h * w, c)[3],
+                             "parts": fusedbn._layout(n * h * w, c, torch.device(device))[3],
                              "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
                              "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
                              "layout": ya.is_contiguous(memory_format=torch.channels_last)
@@ -207,8 +215,42 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @gpu
 def test_compiled_kernels_match_torch_on_the_gpu():
-    _check_layers(compare_layers("cuda", ("float32", "float16", "bfloat16"), partials=256), several_parts=False)
+    _check_layers(compare_layers("cuda", ("float32", "float16", "bfloat16"), partials=None), several_parts=False)
     _check_layers(compare_layers("cuda", ("float16",), partials=2))
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(256, 64, 112, 112), (256, 256, 56, 56), (256, 2048, 7, 7)])
+def test_kernels_match_torch_on_resnet50_sized_layers(shape):
+    """ResNet-50's largest layers at batch 256, fp16 with fp32 parameters as --fp16 runs them,
+    against torch's BatchNorm + add + ReLU in float32; prints both sides' time per layer."""
+    from imagenet import fusedbn
+    torch.manual_seed(0)
+    a, b = nn.BatchNorm2d(shape[1]).cuda(), nn.BatchNorm2d(shape[1]).cuda()
+    x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    r = torch.randn_like(x)
+    xa, xb = x.clone().requires_grad_(True), x.float().requires_grad_(True)
+    ya, yb = fusedbn.bn_act(xa, a, r), F.relu(b(xb) + r.float())
+    grad = torch.randn_like(ya)
+    ya.backward(grad)
+    yb.backward(grad.float())
+    for p, q in ((ya, yb), (xa.grad, xb.grad), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad),
+                 (a.running_var, b.running_var)):
+        assert float((p.float() - q).abs().max() / q.abs().max()) < 2e-2
+    timings = {}
+    xt = x.clone().requires_grad_(True)  # torch's fp16 path, input gradient included as in the fused one
+    for name, fn in (("fused", lambda: fusedbn.bn_act(xa, a, r).backward(grad)),
+                     ("torch", lambda: F.relu(b(xt) + r).backward(grad))):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        timings[name] = start.elapsed_time(end) / 10
+    print(f"{shape}: fused {timings['fused']:.3f} ms, torch {timings['torch']:.3f} ms (forward + backward)")
 
 
 @gpu
