@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from imagenet.errors import UserError
-from imagenet.models import create_model, use_bn_kernels, has_fused_bn
+from imagenet.models import create_model, has_fused_bn, use_bn_kernels
 from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
