@@ -65,6 +65,8 @@ def row_flags(name: str) -> str:
 # Kernel classes, first match wins (lower-case kernel names of cuDNN, cuBLAS, ATen and Inductor).
 CLASSES = (
     ("max-pool", r"max_?pool"),
+    ("fused BN + add + ReLU (ours, --bn-kernel triton)",
+     r"^_(partial_stats|finish_stats|apply|partial_grad|finish_grad|grad_input)"),
     ("inductor reduction (BN statistics, BN gradient sums)", r"^triton_(red|per)"),
     ("inductor pointwise (BN apply, ReLU, add, their gradients)", r"^triton_"),
     ("batchnorm (cuDNN, ATen)", r"batch_?norm|bn_fw|bn_bw|welford|cudnn::bn"),
