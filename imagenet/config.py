@@ -72,7 +72,7 @@ class Config:
     compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
     tune_kernels: bool = False  # with --compile: tune each generated kernel's launch settings (coordinate descent)
     maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, --channels-last) | torch | triton
-    bn_kernel: str = "torch"  # training BatchNorm + add + ReLU: torch (its modules) | triton (fused, eager only)
+    bn_kernel: str = "torch"  # training BatchNorm + add + ReLU: torch (its modules) | triton (fused Triton kernels)
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -456,8 +456,6 @@ def _check_modes(cfg: Config) -> None:
           "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
     if cfg.bn_kernel == "triton":
         _need(cfg.channels_last, "--bn-kernel triton computes channels_last tensors only; add --channels-last")
-        _need(cfg.compile == "off", "--bn-kernel triton is for eager runs: --compile fuses BatchNorm, add and ReLU "
-                                    "itself; drop one of them")
         _need(not cfg.sync_bn, "--bn-kernel triton computes per-process statistics; --sync-bn needs torch's "
                                "SyncBatchNorm: drop one of them")
     _need(not (cfg.pretrained and cfg.weights),

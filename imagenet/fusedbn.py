@@ -6,27 +6,35 @@ of the 39.5 ms step (docs/BENCHMARKS.md, run Y3). Each of those is a pass over t
 in memory. Fused, one BatchNorm layer with its add and ReLU costs the passes the arithmetic
 needs and no more:
 
-* forward: one pass for the per-channel mean and variance (Welford per tile, the tiles' partial
+* forward: one pass for the per-channel mean and variance (sums per tile, the tiles' partial
   results combined in a fixed order, so the result is deterministic), one pass that normalises,
   adds the residual and applies the ReLU;
 * backward: one pass for the two per-channel sums (of the ReLU-masked gradient and of it times
   the centred input), one pass that writes the input's gradient (and the residual's).
 
-This is what Inductor generates for the same layers under ``--compile`` (the run's figures are
-in docs/BENCHMARKS.md), without the compilation. The arithmetic is in float32 whatever the
-activations' dtype; the output and gradients are rounded once, where torch rounds BatchNorm's
-output before the add. The running statistics follow torch's rule (momentum, unbiased variance).
+Where no residual is added (two of a Bottleneck's three BatchNorms) the ReLU's mask is
+recomputed from the input and the statistics instead of read from the output: two fewer passes
+in the backward. The mask is then that of the float32 sum before rounding, so an output that
+rounds to zero from a positive float32 value (below 3e-8 in fp16) passes its gradient where
+torch's would not; nothing else differs.
 
-Only channels_last tensors on CUDA (or under ``TRITON_INTERPRET=1``) of a plain
-``nn.BatchNorm2d`` with affine parameters, running statistics and a fixed momentum take the
-kernels, in training mode; everything else (evaluation, other layers) runs torch's modules.
-:func:`fuse_resnet` rewires torchvision's ResNet blocks to call :func:`bn_act` and keeps every
-module, parameter and buffer name, so state dicts are torchvision's.
+The arithmetic is in float32 whatever the activations' dtype; the output and gradients are
+rounded once, where torch rounds BatchNorm's output before the add. The running statistics
+follow torch's rule (momentum, unbiased variance).
+
+The kernels are ``torch.library`` custom ops (the statistics, which update the running ones in
+place; the normalisation, with an autograd rule; its backward), so torch.compile keeps them as
+they are (``--compile`` with ``--bn-kernel triton``: Inductor compiles the rest of the step
+around them) and CUDA graphs capture them. Only channels_last
+tensors on CUDA (or under ``TRITON_INTERPRET=1``) of a plain ``nn.BatchNorm2d`` with affine
+parameters, running statistics and a fixed momentum take the kernels, in training mode;
+everything else (evaluation, other layers) runs torch's modules. :func:`fuse_resnet` rewires
+torchvision's ResNet blocks to call :func:`bn_act` and keeps every module, parameter and buffer
+name, so state dicts are torchvision's.
 """
 
-from __future__ import annotations
-
-import os
+import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,10 +48,24 @@ try:  # Triton ships with CUDA builds of torch
 except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
-TILE = 4096  # elements per program tile (BLOCK_M x BLOCK_C)
-PROGRAMS_PER_SM = 8  # the reductions' programs (row ranges x channel blocks) aimed at per multiprocessor
+
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched: ``tile`` elements per program step (BLOCK_M x BLOCK_C), ``warps``
+    per program; for the reductions, ``programs_per_sm`` programs aimed at per multiprocessor."""
+    tile: int
+    warps: int
+    programs_per_sm: int = 0
+
+
+# The settings of scripts/bn_kernel_sweep.py's fastest row on an H200 (docs/BENCHMARKS.md).
+LAUNCH = {"stats": Launch(4096, 4, 8), "apply": Launch(4096, 4), "grad": Launch(4096, 4, 8),
+          "grad_input": Launch(4096, 4)}
 PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
-BLOCK_P = 64  # partial results combined per step of the finishing kernels
+FINISH_C = 16  # channels per program of the kernels that combine the partial results
+FINISH_P = 128  # partial results combined per step of those kernels
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MASK_NONE, MASK_FROM_OUTPUT, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
 
 
 def available() -> bool:
@@ -61,7 +83,7 @@ def takes(x: torch.Tensor, bn: nn.Module) -> bool:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (triton is not None and bn.training and type(bn) is nn.BatchNorm2d and bn.affine
             and bn.track_running_stats and bn.momentum is not None and (x.is_cuda or interpreted)
-            and x.dim() == 4 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and x.dim() == 4 and x.dtype in _DTYPES
             and x.is_contiguous(memory_format=torch.channels_last) and x.numel() > 0
             and x.shape[0] * x.shape[2] * x.shape[3] > 1)
 
@@ -130,16 +152,22 @@ if triton is not None:
         tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
+    def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
+        # BatchNorm as x * scale + shift per channel; the forward and the backward's mask use this one.
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+        return mean, invstd, scale, shift
+
+    @triton.jit
     def _apply(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
                HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mask = (r < M)[:, None] & c_ok[None, :]
-        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
-        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
         if HAS_RES:
@@ -149,12 +177,23 @@ if triton is not None:
         tl.store(y_ptr + offs, z.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _partial_grad(dy_ptr, y_ptr, x_ptr, mean_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
-                      RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _masked(g, x, y_ptr, offs, mask, scale, shift, MASK: tl.constexpr):
+        # torch's ReLU gradient: zero where the output is <= 0 (a NaN output passes it), the output
+        # read back (MASK 1) or recomputed from the input (MASK 2, no residual was added)
+        if MASK == 1:
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.where(y <= 0, 0.0, g)
+        if MASK == 2:
+            g = tl.where(x * scale[None, :] + shift[None, :] <= 0, 0.0, g)
+        return g
+
+    @triton.jit
+    def _partial_grad(dy_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
         sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
         sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
         first = tl.program_id(0) * ROWS
@@ -163,10 +202,8 @@ if triton is not None:
             mask = (r < M)[:, None] & c_ok[None, :]
             offs = r.to(tl.int64)[:, None] * C + c[None, :]
             g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if RELU:
-                y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                g = tl.where(y <= 0, 0.0, g)  # torch's ReLU gradient (a NaN output passes it)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
             sg += g
             sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
         out = tl.program_id(0) * C + c
@@ -193,26 +230,22 @@ if triton is not None:
         tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
-    def _grad_input(dy_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, sg_ptr, sgx_ptr, M, C,
-                    HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _grad_input(dy_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr, M, C,
+                    HAS_RES: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mask = (r < M)[:, None] & c_ok[None, :]
-        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        k = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
         mean_g = tl.load(sg_ptr + c, mask=c_ok, other=0.0) / M
         proj = tl.load(sgx_ptr + c, mask=c_ok, other=0.0) * invstd * invstd / M
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if RELU:
-            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.where(y <= 0, 0.0, g)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
         if HAS_RES:
             tl.store(dr_ptr + offs, g.to(dr_ptr.dtype.element_ty), mask=mask)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dx = k[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
+        dx = scale[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -220,13 +253,19 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _layout(m: int, c: int, device: torch.device) -> tuple:
-    """(BLOCK_M, BLOCK_C, rows per partial, partials) for an [m, c] activation: enough row
-    ranges that the reductions give every multiprocessor PROGRAMS_PER_SM programs."""
+def _blocks(c: int, launch: Launch) -> tuple:
+    """(BLOCK_M, BLOCK_C) of a kernel over [m, c] rows."""
     block_c = min(triton.next_power_of_2(c), 128)
-    block_m = TILE // block_c
+    return max(launch.tile // block_c, 1), block_c
+
+
+def _layout(m: int, c: int, device: torch.device, launch: Optional[Launch] = None) -> tuple:
+    """(BLOCK_M, BLOCK_C, rows per partial, partials) of a reduction over an [m, c] activation:
+    enough row ranges that every multiprocessor gets ``programs_per_sm`` programs."""
+    launch = launch or LAUNCH["stats"]
+    block_m, block_c = _blocks(c, launch)
     chunks = triton.cdiv(m, block_m)
-    partials = PARTIALS or triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), triton.cdiv(c, block_c))
+    partials = PARTIALS or triton.cdiv(launch.programs_per_sm * _multiprocessors(device), triton.cdiv(c, block_c))
     rows = block_m * triton.cdiv(chunks, partials)
     return block_m, block_c, rows, triton.cdiv(m, rows)
 
@@ -236,55 +275,154 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
 
 
-class _BNAct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, running_mean, running_var, momentum: float, eps: float, relu: bool):
-        n, c, h, w = x.shape
-        m = n * h * w
-        block_m, block_c, rows, parts = _layout(m, c, x.device)
-        xs = _rows(x)
-        f32 = dict(dtype=torch.float32, device=x.device)
-        pmean, pm2 = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
-        mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
-        _partial_stats[(parts, triton.cdiv(c, block_c))](xs, pmean, pm2, m, c, rows, BLOCK_M=block_m, BLOCK_C=block_c)
-        _finish_stats[(triton.cdiv(c, block_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
-                                                    rows, eps, momentum, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
-        y = torch.empty_like(x, memory_format=torch.channels_last)
-        has_res = residual is not None
-        res = _rows(residual.contiguous(memory_format=torch.channels_last)) if has_res else xs
-        _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-            xs, res, _rows(y), mean, invstd, weight, bias, m, c,
-            HAS_RES=has_res, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c)
-        # y only for the ReLU's mask: without a ReLU (the downsample's BatchNorm) keeping it would
-        # hold the residual alive for the whole backward pass
-        ctx.save_for_backward(x, y if relu else None, mean, invstd, weight)
-        ctx.relu, ctx.has_res = relu, has_res
-        ctx.residual_dtype = residual.dtype if has_res else None
-        return y
+def _cl(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, y, mean, invstd, weight = ctx.saved_tensors
-        n, c, h, w = x.shape
-        m = n * h * w
-        block_m, block_c, rows, parts = _layout(m, c, x.device)
-        dys = _rows(dy.contiguous(memory_format=torch.channels_last))
-        xs = _rows(x)
-        ys = _rows(y) if y is not None else xs  # not read without a ReLU
-        f32 = dict(dtype=torch.float32, device=x.device)
-        psg, psgx = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
-        sg, sgx = torch.empty(c, **f32), torch.empty(c, **f32)
-        dw, db = torch.empty_like(weight), torch.empty_like(weight)
-        _partial_grad[(parts, triton.cdiv(c, block_c))](dys, ys, xs, mean, psg, psgx, m, c, rows,
-                                                        RELU=ctx.relu, BLOCK_M=block_m, BLOCK_C=block_c)
-        _finish_grad[(triton.cdiv(c, block_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
-                                                 BLOCK_P=BLOCK_P, BLOCK_C=block_c)
-        dx = torch.empty_like(x, memory_format=torch.channels_last)
-        dr = torch.empty_like(x, dtype=ctx.residual_dtype, memory_format=torch.channels_last) if ctx.has_res else None
-        _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-            dys, ys, xs, _rows(dx), _rows(dr) if dr is not None else xs, mean, invstd, weight, sg, sgx, m, c,
-            HAS_RES=ctx.has_res, RELU=ctx.relu, BLOCK_M=block_m, BLOCK_C=block_c)
-        return dx, dw, db, dr, None, None, None, None, None
+
+def _mask_kind(relu: bool, has_res: bool) -> int:
+    return (MASK_FROM_OUTPUT if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
+
+
+def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+               eps: float) -> tuple:
+    """The batch's per-channel (mean, 1/std) in float32 of a channels_last ``x``; updates the
+    running statistics in place."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["stats"]
+    block_m, block_c, rows, parts = _layout(m, c, x.device, launch)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    pmean, pm2 = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
+    mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
+    _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
+                                                     BLOCK_C=block_c, num_warps=launch.warps)
+    finish_c = min(FINISH_C, triton.next_power_of_2(c))
+    _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
+                                               rows, eps, momentum, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+    return mean, invstd
+
+
+def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+              weight: torch.Tensor, bias: torch.Tensor, relu: bool) -> torch.Tensor:
+    """``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["apply"]
+    block_m, block_c = _blocks(c, launch)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
+    xs = _rows(x)
+    _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+        xs, _rows(residual) if residual is not None else xs, _rows(y), mean, invstd, weight, bias, m, c,
+        HAS_RES=residual is not None, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=launch.warps)
+    return y
+
+
+def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int) -> tuple:
+    """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy``; and the
+    weight's and bias's gradients."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["grad"]
+    block_m, block_c, rows, parts = _layout(m, c, x.device, launch)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    psg, psgx = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
+    sg, sgx = torch.empty(c, **f32), torch.empty(c, **f32)
+    dw, db = torch.empty_like(weight), torch.empty_like(bias)
+    xs = _rows(x)
+    _partial_grad[(parts, triton.cdiv(c, block_c))](
+        _rows(dy), _rows(y) if y is not None else xs, xs, mean, invstd, weight, bias, psg, psgx, m, c, rows,
+        MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=launch.warps)
+    finish_c = min(FINISH_C, triton.next_power_of_2(c))
+    _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
+                                              BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+    return sg, sgx, dw, db
+
+
+def input_gradients(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sg: torch.Tensor,
+                    sgx: torch.Tensor, mask: int, has_res: bool) -> tuple:
+    """(the input's gradient, the residual's or an empty tensor), channels_last, in ``x``'s dtype."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["grad_input"]
+    block_m, block_c = _blocks(c, launch)
+    dx = torch.empty_like(x, memory_format=torch.channels_last)
+    dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
+    xs = _rows(x)
+    _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+        _rows(dy), _rows(y) if y is not None else xs, xs, _rows(dx), _rows(dr) if has_res else xs, mean, invstd,
+        weight, bias, sg, sgx, m, c, HAS_RES=has_res, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=launch.warps)
+    return dx, dr
+
+
+@torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var"))
+def bn_stats_op(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`statistics` as an op (no gradient: :func:`bn_act_op`'s backward accounts for the
+    statistics' dependence on ``x``)."""
+    return statistics(_cl(x), running_mean, running_var, momentum, eps)
+
+
+@bn_stats_op.register_fake
+def _(x, running_mean, running_var, momentum, eps):
+    c = x.shape[1]
+    return x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
+
+
+@torch.library.custom_op("imagenet::bn_act", mutates_args=())
+def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
+              mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> torch.Tensor:
+    """relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`."""
+    return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu)
+
+
+@bn_act_op.register_fake
+def _(x, weight, bias, residual, mean, invstd, relu):
+    return torch.empty_like(x, memory_format=torch.channels_last)
+
+
+@torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
+def bn_act_backward(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
+                    has_res: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`."""
+    dy, x = _cl(dy), _cl(x)
+    y = _cl(y) if y is not None else None
+    sg, sgx, dw, db = gradient_sums(dy, x, y, mean, invstd, weight, bias, mask)
+    dx, dr = input_gradients(dy, x, y, mean, invstd, weight, bias, sg, sgx, mask, has_res)
+    return dx, dw, db, dr
+
+
+@bn_act_backward.register_fake
+def _(dy, x, y, mean, invstd, weight, bias, mask, has_res):
+    dx = torch.empty_like(x, memory_format=torch.channels_last)
+    dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
+    return dx, torch.empty_like(weight), torch.empty_like(bias), dr
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, mean, invstd, relu = inputs
+    y = output
+    ctx.mask = _mask_kind(relu, residual is not None)
+    ctx.has_res = residual is not None
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    # y only where the mask is read from it: without a ReLU (the downsample's BatchNorm) or with
+    # the mask recomputed, keeping it would hold the tensor alive for the whole backward pass
+    ctx.save_for_backward(x, y if ctx.mask == MASK_FROM_OUTPUT else None, mean, invstd, weight, bias)
+
+
+def _backward_rule(ctx, dy):
+    # the whole gradient of x, through the statistics too: mean and invstd get none
+    x, y, mean, invstd, weight, bias = ctx.saved_tensors
+    dx, dw, db, dr = bn_act_backward(dy, x, y, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
+    if ctx.has_res and dr.dtype != ctx.residual_dtype:
+        dr = dr.to(ctx.residual_dtype)
+    return dx, dw, db, (dr if ctx.has_res else None), None, None, None
+
+
+bn_act_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
@@ -296,8 +434,8 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
             out = out + residual
         return F.relu(out) if relu else out
     bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
-    return _BNAct.apply(x, bn.weight, bn.bias, residual, bn.running_mean, bn.running_var, float(bn.momentum),
-                        float(bn.eps), relu)
+    mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
 
 
 def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -551,7 +551,10 @@ def jpeg_engine_use(dmon: str) -> str:
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
                    "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1",
                    # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
-                   "maxpool-torch": " --maxpool-kernel torch", "maxpool-triton": " --maxpool-kernel triton"}
+                   "maxpool-torch": " --maxpool-kernel torch", "maxpool-triton": " --maxpool-kernel triton",
+                   # issue 17's fastest mode against maxpool-torch (eager, torch's kernels)
+                   "kernels-ro": " --maxpool-kernel triton --bn-kernel triton --compile reduce-overhead",
+                   "kernels": " --maxpool-kernel triton --bn-kernel triton"}
 
 
 def phase_recipe(args) -> None:

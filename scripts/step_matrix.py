@@ -35,7 +35,7 @@ MODIFIERS = {
     "amp": "--precision amp", "bf16": "--precision amp-bf16",
     "cdt": "--tune-kernels",  # Inductor's coordinate-descent tuning of every generated kernel
     "mp": "--maxpool-kernel triton",  # imagenet/maxpool.py
-    "bn": "--bn-kernel triton",  # imagenet/fusedbn.py (eager rows only)
+    "bn": "--bn-kernel triton",  # imagenet/fusedbn.py
     "1x1mm": "--inductor conv_1x1_as_mm=True",
     "mapw": "--inductor max_autotune_pointwise=True",
     "noconv": "--inductor max_autotune_conv_backends=ATEN",

@@ -303,7 +303,6 @@ def test_yaml_config_key_hint_does_not_suggest_itself(tmp_path):
     (["--maxpool-kernel", "triton", "--channels-last", "--small-stem"], "--small-stem"),
     (["--maxpool-kernel", "cudnn"], "cudnn"),
     (["--bn-kernel", "triton"], "--channels-last"),
-    (["--bn-kernel", "triton", "--channels-last", "--compile", "default"], "--compile"),
     (["--bn-kernel", "triton", "--channels-last", "--sync-bn"], "--sync-bn"),
 ])
 def test_impossible_values_are_user_errors(argv, fragment):

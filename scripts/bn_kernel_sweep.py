@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Launch settings of the fused BatchNorm kernels (imagenet/fusedbn.py), timed on ResNet-50's layers.
+
+    python scripts/bn_kernel_sweep.py --out DIR          # on a GPU; batch 256, fp16 activations
+
+For each of the kernels' four phases (statistics, normalise, gradient sums, input gradients)
+and each candidate ``fusedbn.Launch`` (tile, warps, programs per multiprocessor), the phase
+runs over every BatchNorm layer of one ResNet-50 training step (53 layers, their shapes,
+residuals and ReLUs as the fused model has them) on random fp16 channels_last activations with
+float32 parameters, as ``--fp16`` runs them; the table gives the phase's milliseconds per step
+(median of the repeats), its memory traffic in TB/s, and marks the fastest setting, which is
+what ``fusedbn.LAUNCH`` should hold. The phases' bests add up to the kernels' share of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics as stats
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+from torchvision.models.resnet import Bottleneck  # noqa: E402
+
+from imagenet import fusedbn  # noqa: E402
+
+REDUCTIONS = [fusedbn.Launch(t, w, p) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (4, 8, 16)]
+POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
+
+
+def resnet50_layers(batch: int) -> list:
+    """(N, C, H, W, relu, residual) of every BatchNorm of a ResNet-50 step at 224 px, in order."""
+    model = torchvision.models.resnet50()
+    shapes = {}
+
+    def record(module, _inputs, output) -> None:  # a hook returning a value would replace the output
+        shapes[module] = tuple(output.shape[1:])
+    for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+        bn.register_forward_hook(record)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 224, 224))
+    roles = {model.bn1: (True, False)}
+    for block in (m for m in model.modules() if isinstance(m, Bottleneck)):
+        roles.update({block.bn1: (True, False), block.bn2: (True, False), block.bn3: (True, True)})
+        if block.downsample is not None:
+            roles[block.downsample[1]] = (False, False)
+    return [(batch, *shapes[bn], *roles[bn]) for bn in roles]
+
+
+def make_tensors(layers: list, device) -> list:
+    out = []
+    for n, c, h, w, relu, res in layers:
+        def act():
+            return torch.randn(n, c, h, w, device=device, dtype=torch.float16).contiguous(
+                memory_format=torch.channels_last)
+        t = {"x": act(), "r": act() if res else None, "dy": act(), "relu": relu,
+             "w": torch.rand(c, device=device) + 0.5, "b": torch.randn(c, device=device) * 0.1,
+             "rm": torch.zeros(c, device=device), "rv": torch.ones(c, device=device)}
+        t["mean"], t["invstd"] = fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
+        t["mask"] = fusedbn._mask_kind(relu, res)
+        t["y"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu)
+        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["y"], t["mean"], t["invstd"], t["w"], t["b"], t["mask"])
+        out.append(t)
+    return out
+
+
+def phase_call(phase: str, t: dict):
+    y = t["y"] if t["mask"] == fusedbn.MASK_FROM_OUTPUT else None
+    if phase == "stats":
+        return lambda: fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
+    if phase == "apply":
+        return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"])
+    if phase == "grad":
+        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], t["mask"])
+    sg, sgx = t["sums"][:2]
+    return lambda: fusedbn.input_gradients(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
+                                           t["mask"], t["r"] is not None)
+
+
+def phase_bytes(phase: str, t: dict) -> int:
+    """Bytes the phase must move for one layer (2 a value: fp16 activations)."""
+    passes = {"stats": 1, "apply": 2 + (t["r"] is not None),
+              "grad": 2 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT),
+              "grad_input": 3 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + (t["r"] is not None)}[phase]
+    return passes * t["x"].numel() * 2
+
+
+def time_phase(calls: list, repeats: int) -> float:
+    for call in calls:  # compiles this setting's kernels
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return stats.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="directory for bn_kernel_sweep.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bn_kernel_sweep.py times the kernels on a GPU; none is here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    layers = resnet50_layers(args.batch)
+    tensors = make_tensors(layers, device)
+    rows = []
+    for phase, candidates in (("stats", REDUCTIONS), ("apply", POINTWISE), ("grad", REDUCTIONS),
+                              ("grad_input", POINTWISE)):
+        shipped = fusedbn.LAUNCH[phase]
+        moved = sum(phase_bytes(phase, t) for t in tensors)
+        for launch in candidates:
+            fusedbn.LAUNCH[phase] = launch
+            ms = time_phase([phase_call(phase, t) for t in tensors], args.repeats)
+            rows.append({"phase": phase, "tile": launch.tile, "warps": launch.warps,
+                         "programs_per_sm": launch.programs_per_sm, "ms": ms, "tb_s": moved / ms / 1e9,
+                         "shipped": launch == shipped})
+        fusedbn.LAUNCH[phase] = shipped
+    print(f"\nResNet-50 batch {args.batch}: {len(layers)} BatchNorm layers, fp16 activations; ms per training step")
+    print("| phase | tile | warps | programs/SM | ms/step | TB/s | |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    best_total = shipped_total = 0.0
+    for phase in ("stats", "apply", "grad", "grad_input"):
+        mine = [r for r in rows if r["phase"] == phase]
+        best = min(mine, key=lambda r: r["ms"])
+        best_total += best["ms"]
+        shipped_total += next(r["ms"] for r in mine if r["shipped"])
+        for r in mine:
+            mark = " ".join(m for m, on in (("fastest", r is best), ("shipped", r["shipped"])) if on)
+            print(f"| {phase} | {r['tile']} | {r['warps']} | {r['programs_per_sm'] or '-'} | {r['ms']:.3f} | "
+                  f"{r['tb_s']:.2f} | {mark} |")
+    print(f"\nall four phases: {shipped_total:.2f} ms a step with fusedbn.LAUNCH, {best_total:.2f} with each "
+          f"phase's fastest setting")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bn_kernel_sweep.json"), "w") as f:
+            json.dump({"batch": args.batch, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
