@@ -33,6 +33,7 @@ torchvision's ResNet blocks to call :func:`bn_act` and keeps every module, param
 name, so state dicts are torchvision's.
 """
 
+import json
 import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
 from dataclasses import dataclass
 from typing import Optional
@@ -58,9 +59,19 @@ class Launch:
     programs_per_sm: int = 0
 
 
-# The settings of scripts/bn_kernel_sweep.py's fastest row on an H200 (docs/BENCHMARKS.md).
-LAUNCH = {"stats": Launch(4096, 4, 8), "apply": Launch(4096, 4), "grad": Launch(4096, 4, 8),
-          "grad_input": Launch(4096, 4)}
+def _launch_settings() -> dict:
+    """The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md);
+    IMAGENET_BN_LAUNCH, a JSON object of phase: [tile, warps, programs_per_sm], overrides them
+    (the sweep writes one, to be tried without editing this file)."""
+    settings = {"stats": Launch(4096, 4, 8), "apply": Launch(4096, 4), "grad": Launch(4096, 4, 8),
+                "grad_input": Launch(4096, 4)}
+    override = os.environ.get("IMAGENET_BN_LAUNCH")
+    if override:
+        settings.update({phase: Launch(*values) for phase, values in json.loads(override).items()})
+    return settings
+
+
+LAUNCH = _launch_settings()
 PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
 FINISH_C = 16  # channels per program of the kernels that combine the partial results
 FINISH_P = 128  # partial results combined per step of those kernels

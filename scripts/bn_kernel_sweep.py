@@ -9,7 +9,9 @@ runs over every BatchNorm layer of one ResNet-50 training step (53 layers, their
 residuals and ReLUs as the fused model has them) on random fp16 channels_last activations with
 float32 parameters, as ``--fp16`` runs them; the table gives the phase's milliseconds per step
 (median of the repeats), its memory traffic in TB/s, and marks the fastest setting, which is
-what ``fusedbn.LAUNCH`` should hold. The phases' bests add up to the kernels' share of a step.
+what ``fusedbn.LAUNCH`` should hold (``--out`` writes them as bn_launch.json, the value for
+IMAGENET_BN_LAUNCH). The phases' bests add up to the kernels' share of a step. Each phase's
+launches over the 53 layers are replayed as one CUDA graph, so the time is the device's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torchvision.models.resnet import Bottleneck  # noqa: E402
 
 from imagenet import fusedbn  # noqa: E402
 
-REDUCTIONS = [fusedbn.Launch(t, w, p) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (4, 8, 16)]
+REDUCTIONS = [fusedbn.Launch(t, w, p) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (4, 8, 16, 32)]
 POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
 
 
@@ -90,18 +92,28 @@ def phase_bytes(phase: str, t: dict) -> int:
 
 
 def time_phase(calls: list, repeats: int) -> float:
-    for call in calls:  # compiles this setting's kernels
-        call()
+    """Device milliseconds of the calls in order: replayed as one CUDA graph, as a compiled step
+    runs them, so the launches' host time (several times the small layers' kernels) is not counted."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles this setting's kernels
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for call in calls:
-            call()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    del graph
     return stats.median(times)
 
 
@@ -144,10 +156,16 @@ def main(argv=None) -> int:
                   f"{r['tb_s']:.2f} | {mark} |")
     print(f"\nall four phases: {shipped_total:.2f} ms a step with fusedbn.LAUNCH, {best_total:.2f} with each "
           f"phase's fastest setting")
+    fastest = {phase: min((r for r in rows if r["phase"] == phase), key=lambda r: r["ms"])
+               for phase in ("stats", "apply", "grad", "grad_input")}
+    launch = {phase: [r["tile"], r["warps"], r["programs_per_sm"]] for phase, r in fastest.items()}
+    print(f"IMAGENET_BN_LAUNCH='{json.dumps(launch)}' runs the fastest settings")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bn_kernel_sweep.json"), "w") as f:
             json.dump({"batch": args.batch, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "bn_launch.json"), "w") as f:
+            json.dump(launch, f)
     return 0
 
 
