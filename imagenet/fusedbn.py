@@ -63,8 +63,8 @@ def _launch_settings() -> dict:
     """The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md);
     IMAGENET_BN_LAUNCH, a JSON object of phase: [tile, warps, programs_per_sm], overrides them
     (the sweep writes one, to be tried without editing this file)."""
-    settings = {"stats": Launch(4096, 4, 8), "apply": Launch(4096, 4), "grad": Launch(4096, 4, 8),
-                "grad_input": Launch(4096, 4)}
+    settings = {"stats": Launch(4096, 4, 4), "apply": Launch(2048, 4), "grad": Launch(4096, 4, 4),
+                "grad_input": Launch(2048, 4)}
     override = os.environ.get("IMAGENET_BN_LAUNCH")
     if override:
         settings.update({phase: Launch(*values) for phase, values in json.loads(override).items()})
