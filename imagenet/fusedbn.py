@@ -59,19 +59,35 @@ class Launch:
     programs_per_sm: int = 0
 
 
-def _launch_settings() -> dict:
-    """The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md);
-    IMAGENET_BN_LAUNCH, a JSON object of phase: [tile, warps, programs_per_sm], overrides them
-    (the sweep writes one, to be tried without editing this file)."""
-    settings = {"stats": Launch(4096, 4, 4), "apply": Launch(2048, 4), "grad": Launch(4096, 4, 4),
-                "grad_input": Launch(2048, 4)}
-    override = os.environ.get("IMAGENET_BN_LAUNCH")
-    if override:
-        settings.update({phase: Launch(*values) for phase, values in json.loads(override).items()})
+# The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md, run Z3)
+LAUNCH = {"stats": Launch(4096, 4, 4), "apply": Launch(2048, 4), "grad": Launch(4096, 4, 4),
+          "grad_input": Launch(2048, 4)}
+LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
+
+
+def launch_override(value: Optional[str]) -> dict:
+    """The settings ``value`` (``IMAGENET_BN_LAUNCH``: a JSON object of phase: [tile, warps,
+    programs_per_sm], as scripts/bn_kernel_sweep.py writes it) asks for, to be put over
+    :data:`LAUNCH` (models.use_bn_kernels does, for main.py and bench.py); a ValueError naming
+    the problem where it is not one."""
+    if not value:
+        return {}
+    try:
+        asked = json.loads(value)
+        settings = {phase: Launch(*(int(v) for v in values)) for phase, values in asked.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm] "
+                         f"({e})") from None
+    unknown = sorted(set(settings) - set(LAUNCH))
+    bad = [p for p, launch in settings.items() if launch.tile < 1 or launch.tile & (launch.tile - 1)
+           or launch.warps not in (1, 2, 4, 8, 16) or launch.programs_per_sm < (1 if p in ("stats", "grad") else 0)]
+    if unknown or bad:
+        raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
+                         if unknown else f"{bad}: tiles are powers of two, warps 1-16 (a power of two), "
+                                         "the reductions (stats, grad) at least one program per multiprocessor"))
     return settings
 
 
-LAUNCH = _launch_settings()
 PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
 FINISH_C = 16  # channels per program of the kernels that combine the partial results
 FINISH_P = 128  # partial results combined per step of those kernels
@@ -294,17 +310,23 @@ def _mask_kind(relu: bool, has_res: bool) -> int:
     return (MASK_FROM_OUTPUT if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
 
 
+def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
+    """For a per-channel reduction over a channels_last ``x``: (rows M, channels C, its
+    :func:`_layout`, two float32 [partials, C] buffers for the partial results, two [C] ones)."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    layout = _layout(m, c, x.device, launch)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    partials = (torch.empty((layout[3], c), **f32), torch.empty((layout[3], c), **f32))
+    return m, c, layout, partials, (torch.empty(c, **f32), torch.empty(c, **f32))
+
+
 def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
                eps: float) -> tuple:
     """The batch's per-channel (mean, 1/std) in float32 of a channels_last ``x``; updates the
     running statistics in place."""
-    n, c, h, w = x.shape
-    m = n * h * w
     launch = LAUNCH["stats"]
-    block_m, block_c, rows, parts = _layout(m, c, x.device, launch)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    pmean, pm2 = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
-    mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
+    m, c, (block_m, block_c, rows, parts), (pmean, pm2), (mean, invstd) = _reduction(x, launch)
     _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
                                                      BLOCK_C=block_c, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
@@ -332,13 +354,8 @@ def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], 
                   invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int) -> tuple:
     """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy``; and the
     weight's and bias's gradients."""
-    n, c, h, w = x.shape
-    m = n * h * w
     launch = LAUNCH["grad"]
-    block_m, block_c, rows, parts = _layout(m, c, x.device, launch)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    psg, psgx = torch.empty((parts, c), **f32), torch.empty((parts, c), **f32)
-    sg, sgx = torch.empty(c, **f32), torch.empty(c, **f32)
+    m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
     dw, db = torch.empty_like(weight), torch.empty_like(bias)
     xs = _rows(x)
     _partial_grad[(parts, triton.cdiv(c, block_c))](

@@ -12,7 +12,7 @@ import torchvision
 
 from .config import ARCHS
 from .errors import UserError
-from .fusedbn import fuse_resnet, uses_bn_kernels
+from .fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels
 from .fusedbn import available as bn_kernels_available
 from .maxpool import StemMaxPool, is_stem_pool
 from .maxpool import available as maxpool_kernels_available
@@ -74,6 +74,10 @@ def use_bn_kernels(kind: str, device: torch.device) -> bool:
     if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and bn_kernels_available()):
         why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
         raise UserError(f"--bn-kernel triton needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
+    try:
+        LAUNCH.update(launch_override(os.environ.get(LAUNCH_ENV)))
+    except ValueError as e:
+        raise UserError(f"{e}; or unset {LAUNCH_ENV}") from None
     return True
 
 

@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     t.add_argument("--maxpool-kernel", choices=MAXPOOL_KERNELS, default="auto",
                    help="as main.py's: the stem max-pool's kernels (auto: Triton on a GPU with channels_last)")
     t.add_argument("--bn-kernel", choices=BN_KERNELS, default="torch",
-                   help="as main.py's: BatchNorm + add + ReLU fused in Triton (eager, channels_last)")
+                   help="as main.py's: BatchNorm + add + ReLU fused in Triton (channels_last)")
     t.add_argument("--matrix", action="store_true", help="every precision, with and without channels_last")
     t.add_argument("--precisions", default=",".join(PRECISIONS), help="with --matrix: which precisions")
     t.add_argument("--layouts", default="contiguous,channels_last", help="with --matrix: which memory layouts")

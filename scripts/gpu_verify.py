@@ -788,7 +788,8 @@ def main() -> int:
                    help="recipe, precision, multigpu: the YAML recipe (configs/fashion-mnist-stem.yaml: a max-pool stem)")
     p.add_argument("--variants", default="plain,ema-ls",
                    help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing), "
-                        "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml)")
+                        "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml), "
+                        "kernels, kernels-ro (both kernels, eager or --compile reduce-overhead; against maxpool-torch)")
     p.add_argument("--e2e-epochs", type=int, default=4, help="e2e: epochs of each JPEG run (the first is left out)")
     p.add_argument("--e2e-modes", default="eager,cuda-graphs",
                    help="e2e: the step modes of the synthetic and JPEG rows (one call each fits the 10-minute limit)")

@@ -218,6 +218,22 @@ def test_which_runs_choose_the_kernels(monkeypatch):
         use_bn_kernels("triton", torch.device("cpu"))
 
 
+def test_launch_settings_from_the_environment(monkeypatch):
+    from imagenet import fusedbn
+    monkeypatch.setattr(fusedbn, "LAUNCH", dict(fusedbn.LAUNCH))  # use_bn_kernels updates it in place
+    monkeypatch.setattr("imagenet.models.LAUNCH", fusedbn.LAUNCH)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("IMAGENET_BN_LAUNCH", '{"stats": [2048, 8, 2], "apply": [1024, 2, 0]}')
+    assert use_bn_kernels("triton", torch.device("cpu"))
+    assert fusedbn.LAUNCH["stats"] == fusedbn.Launch(2048, 8, 2) and fusedbn.LAUNCH["apply"] == fusedbn.Launch(1024, 2)
+    for value, message in (("{stats: 1}", "is not a JSON object"), ('{"stat": [2048, 4, 4]}', "unknown phase"),
+                           ('{"stats": [3000, 4, 4]}', "powers of two"), ('{"grad": [2048, 4, 0]}', "at least one"),
+                           ('{"apply": 5}', "is not a JSON object")):
+        monkeypatch.setenv("IMAGENET_BN_LAUNCH", value)
+        with pytest.raises(UserError, match=message):
+            use_bn_kernels("triton", torch.device("cpu"))
+
+
 def _main(tmp_path, name: str, kernel: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", "--dummy", "-a", "resnet18", "--epochs", "1", "-b", "8",
                            "--image-size", "64", "--val-resize", "64", "--dummy-train-size", "24",
@@ -250,6 +266,10 @@ def test_main_with_the_kernels_trains_like_torchs_modules_under_the_interpreter(
 def test_main_refuses_the_kernels_where_they_cannot_run(tmp_path):
     r = _main(tmp_path, "cpu", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"})
     assert r.returncode == 2 and "--bn-kernel triton needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    r = _main(tmp_path, "bad", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
+                                          "IMAGENET_BN_LAUNCH": "stats=4096"})
+    assert r.returncode == 2 and "IMAGENET_BN_LAUNCH='stats=4096' is not a JSON object" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
 
 
 # ---------------------------------------------------------------------------------------- GPU
