@@ -161,7 +161,7 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None)
     model.load_state_dict(eager.state_dict())
     calls = []  # the ops of the graphs torch.compile traces (a second copy, handed to torch's eager backend)
     tracer = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 64, 64, device=device).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
     torch.compile(tracer, backend=_counting(calls))(x)
     compiled = torch.compile(model, backend=backend, mode=mode)
     outputs = []
@@ -236,7 +236,7 @@ def test_launch_settings_from_the_environment(monkeypatch):
 
 def _main(tmp_path, name: str, kernel: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", "--dummy", "-a", "resnet18", "--epochs", "1", "-b", "8",
-                           "--image-size", "64", "--val-resize", "64", "--dummy-train-size", "24",
+                           "--image-size", "32", "--val-resize", "32", "--dummy-train-size", "24",
                            "--dummy-val-size", "8", "--dummy-classes", "4", "-j", "0", "--seed", "0",
                            "--channels-last", "--bn-kernel", kernel, "--optimizer-impl", "foreach",
                            "--output-dir", str(tmp_path / name)],
