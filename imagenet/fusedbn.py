@@ -49,6 +49,10 @@ try:  # Triton ships with CUDA builds of torch
 except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
+# Triton reads TRITON_INTERPRET when it defines the kernels; read here once too, so that takes()
+# inside torch.compile reads no environment (which breaks the graph on torch before 2.5)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -63,6 +67,7 @@ class Launch:
 LAUNCH = {"stats": Launch(4096, 4, 4), "apply": Launch(2048, 4), "grad": Launch(4096, 4, 4),
           "grad_input": Launch(2048, 4)}
 LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
+TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program step (the sweep tries 2048-16384)
 
 
 def launch_override(value: Optional[str]) -> dict:
@@ -74,17 +79,20 @@ def launch_override(value: Optional[str]) -> dict:
         return {}
     try:
         asked = json.loads(value)
-        settings = {phase: Launch(*(int(v) for v in values)) for phase, values in asked.items()}
+        if not all(type(v) is int for values in asked.values() for v in values):
+            raise ValueError("the values must be whole numbers")
+        settings = {phase: Launch(*values) for phase, values in asked.items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm] "
                          f"({e})") from None
     unknown = sorted(set(settings) - set(LAUNCH))
-    bad = [p for p, launch in settings.items() if launch.tile < 1 or launch.tile & (launch.tile - 1)
-           or launch.warps not in (1, 2, 4, 8, 16) or launch.programs_per_sm < (1 if p in ("stats", "grad") else 0)]
+    bad = [p for p, launch in settings.items() if launch.tile not in TILES or launch.warps not in (1, 2, 4, 8, 16)
+           or not (1 if p in ("stats", "grad") else 0) <= launch.programs_per_sm <= 64]
     if unknown or bad:
         raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
-                         if unknown else f"{bad}: tiles are powers of two, warps 1-16 (a power of two), "
-                                         "the reductions (stats, grad) at least one program per multiprocessor"))
+                         if unknown else f"{bad}: tiles are powers of two from {TILES[0]} to {TILES[-1]}, warps "
+                                         "1-16 (a power of two), the reductions (stats, grad) 1-64 programs per "
+                                         "multiprocessor"))
     return settings
 
 
@@ -107,9 +115,8 @@ def available() -> bool:
 
 def takes(x: torch.Tensor, bn: nn.Module) -> bool:
     """Whether ``bn(x)`` (with its add and ReLU) goes through the kernels."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (triton is not None and bn.training and type(bn) is nn.BatchNorm2d and bn.affine
-            and bn.track_running_stats and bn.momentum is not None and (x.is_cuda or interpreted)
+            and bn.track_running_stats and bn.momentum is not None and (x.is_cuda or _INTERPRETED)
             and x.dim() == 4 and x.dtype in _DTYPES
             and x.is_contiguous(memory_format=torch.channels_last) and x.numel() > 0
             and x.shape[0] * x.shape[2] * x.shape[3] > 1)
@@ -456,7 +463,7 @@ bn_act_op.register_autograd(_backward_rule, setup_context=_setup_context)
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
            relu: bool = True) -> torch.Tensor:
     """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`."""
-    if not takes(x, bn):
+    if not takes(x, bn) or (residual is not None and residual.dtype != x.dtype):  # torch would promote
         out = bn(x)
         if residual is not None:
             out = out + residual

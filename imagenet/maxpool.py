@@ -32,6 +32,10 @@ try:  # Triton ships with CUDA builds of torch
 except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
+# Triton reads TRITON_INTERPRET when it defines the kernels; read here once too, so that takes()
+# inside torch.compile reads no environment (which breaks the graph on torch before 2.5)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 BLOCK_P = 64  # pixels per program
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -48,8 +52,7 @@ def available() -> bool:
 
 def takes(x: torch.Tensor) -> bool:
     """Whether ``x`` (the max-pool's input) goes through the kernels."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (triton is not None and (x.is_cuda or interpreted) and x.dim() == 4 and x.dtype in _DTYPES
+    return (triton is not None and (x.is_cuda or _INTERPRETED) and x.dim() == 4 and x.dtype in _DTYPES
             and x.is_contiguous(memory_format=torch.channels_last) and x.shape[2] > 0 and x.shape[3] > 0)
 
 
