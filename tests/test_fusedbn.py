@@ -78,10 +78,9 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
                 if residual_on:
                     pairs.append((ra.grad, rb.grad))
                 err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
+                parts = fusedbn._layout(n * h * w, c, torch.device(device))[3]
                 rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu}",
-                             "parts": fusedbn._layout(n * h * w, c, torch.device(device))[3],
-                             "finish_steps": -(-fusedbn._layout(n * h * w, c, torch.device(device))[3]
-                                               // fusedbn.FINISH_P),
+                             "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
                              "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
                              "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
                              "layout": ya.is_contiguous(memory_format=torch.channels_last)
