@@ -32,7 +32,7 @@ from imagenet import checkpoint as ckpt_io  # noqa: E402
 from imagenet import runner  # noqa: E402
 from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from imagenet.runner import main  # noqa: E402
-from tests.helpers import make_digits  # noqa: E402
+from tests.helpers import make_digits, scratch  # noqa: E402
 
 TRAIN_PER_CLASS, VAL_PER_CLASS, NUM_CLASSES = 8, 2, 10
 CKPT, BEST, METRICS = "checkpoint.pth.tar", "model_best.pth.tar", "metrics.jsonl"
@@ -125,21 +125,21 @@ def val_size(data_root) -> int:
 @pytest.fixture(scope="module")
 def base_run(data_root, tmp_path_factory):
     """One epoch from scratch; most tests read (never modify) its output folder."""
-    out = tmp_path_factory.mktemp("base")
-    res = run_captured(trainer_args(data_root, out, "--epochs", 1))
-    assert res.rc == 0, res.err[-3000:]
-    res.dir = out
-    return res
+    with scratch(tmp_path_factory, "base") as out:
+        res = run_captured(trainer_args(data_root, out, "--epochs", 1))
+        assert res.rc == 0, res.err[-3000:]
+        res.dir = out
+        yield res
 
 
 @pytest.fixture(scope="module")
 def straight_run(data_root, tmp_path_factory):
     """Two epochs in one go. ``--resume auto`` in an empty folder must simply start fresh."""
-    out = tmp_path_factory.mktemp("straight")
-    res = run_captured(trainer_args(data_root, out, "--epochs", 2, "--resume", "auto"))
-    assert res.rc == 0, res.err[-3000:]
-    res.dir = out
-    return res
+    with scratch(tmp_path_factory, "straight") as out:
+        res = run_captured(trainer_args(data_root, out, "--epochs", 2, "--resume", "auto"))
+        assert res.rc == 0, res.err[-3000:]
+        res.dir = out
+        yield res
 
 
 @pytest.fixture(scope="module")
@@ -574,14 +574,14 @@ def tiny_root(data_root, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def worker_runs(tiny_root, tmp_path_factory):
     """Straight 2 epochs vs 1 + resumed 1, with one loader worker (persistent workers)."""
-    straight, split = tmp_path_factory.mktemp("straight_j1"), tmp_path_factory.mktemp("split_j1")
-    kw = dict(workers=1)
-    for argv in (trainer_args(tiny_root, straight, "--epochs", 2, **kw),
-                 trainer_args(tiny_root, split, "--epochs", 1, **kw),
-                 trainer_args(tiny_root, split, "--epochs", 2, "--resume", "auto", **kw)):
-        res = run_captured(argv)
-        assert res.rc == 0, res.err[-3000:]
-    return straight, split
+    with scratch(tmp_path_factory, "straight_j1", "split_j1") as (straight, split):
+        kw = dict(workers=1)
+        for argv in (trainer_args(tiny_root, straight, "--epochs", 2, **kw),
+                     trainer_args(tiny_root, split, "--epochs", 1, **kw),
+                     trainer_args(tiny_root, split, "--epochs", 2, "--resume", "auto", **kw)):
+            res = run_captured(argv)
+            assert res.rc == 0, res.err[-3000:]
+        yield straight, split
 
 
 def test_resume_with_workers_keeps_epoch_structure(worker_runs):

@@ -4,6 +4,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -355,15 +356,17 @@ def _tiny_tree_with_a_bad_image(root: Path) -> str:
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Start every CLI run of this module at once (each start imports torch), then collect them."""
-    procs, info = {}, {}
+    procs, info, bases = {}, {}, []
     for case, build in LAYOUT_CASES.items():
         base = tmp_path_factory.mktemp(case)
+        bases.append(base)
         root, fragments = build(base / "data" if case not in ("missing-dir", "dir-is-file") else base)
         procs[case] = _main_py(root, "--epochs", "1", "-j", "0", "-b", "4", "--image-size", "16",
                                "--val-resize", "16", "--output-dir", base / "out")
         info[case] = fragments
     for name, fraction in (("e2e-tolerant", "0.5"), ("e2e-strict", "0")):
         base = tmp_path_factory.mktemp(name)
+        bases.append(base)
         bad = _tiny_tree_with_a_bad_image(base / "data")
         out = base / "out"
         procs[name] = _main_py(base / "data", *TINY, "--output-dir", out, "--max-bad-fraction", fraction)
@@ -372,7 +375,9 @@ def cli_runs(tmp_path_factory):
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
         results[name] = (proc.returncode, stdout, stderr)
-    return results, info
+    yield results, info
+    for base in bases:  # the runs' checkpoints
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import digits_fixture
+from tests.helpers import digits_fixture, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 EVERY = 3  # --save-every-steps: a failure may cost at most this many steps
@@ -61,11 +61,11 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def straight(digits, tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight")
-    proc = launcher(digits, out)
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, log
-    return weights(out)
+    with scratch(tmp_path_factory, "straight") as out:
+        proc = launcher(digits, out)
+        log = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, log
+        yield weights(out)
 
 
 def test_two_kills_are_survived_and_the_weights_match_an_uninterrupted_run(digits, straight, tmp_path):

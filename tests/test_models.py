@@ -6,6 +6,7 @@ weight memory or random initialisation), which keeps the whole file well under 1
 """
 
 import os
+import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -298,7 +299,9 @@ def resnet50_hub(tmp_path_factory):
     from tests.helpers import make_digits
     data = tmp_path_factory.mktemp("digits")
     make_digits(data, train_per_class=1, val_per_class=1)
-    return home, str(data)
+    yield home, str(data)
+    shutil.rmtree(home, ignore_errors=True)  # 100 MB of weights
+    shutil.rmtree(data, ignore_errors=True)
 
 
 def _evaluate_pretrained(hub, tmp_path, monkeypatch, capsys, *flags, data_first=True):

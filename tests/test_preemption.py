@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from imagenet.runner import main
-from tests.helpers import assert_same_run, make_digits
+from tests.helpers import assert_same_run, make_digits, scratch
 from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
 
@@ -37,9 +37,9 @@ def signal_when(proc, prefix):
 
 @pytest.fixture(scope="module")
 def straight(digits, tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight")
-    assert main(args(digits, out)) == 0
-    return dict(weights(out), _dir=str(out))
+    with scratch(tmp_path_factory, "straight") as out:
+        assert main(args(digits, out)) == 0
+        yield dict(weights(out), _dir=str(out))
 
 
 def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from imagenet.runner import main
-from tests.helpers import digits_fixture
+from tests.helpers import digits_fixture, scratch
 
 
 digits = digits_fixture(4, 1)  # 40 images: 5 steps of 8
@@ -24,9 +24,9 @@ def rows(out):
 @pytest.fixture(scope="module")
 def first_epoch(digits, tmp_path_factory):
     """One epoch at --lr 0.1, momentum 0.9, weight decay 1e-4, step schedule."""
-    out = tmp_path_factory.mktemp("first")
-    assert main(argv(digits, out, "--epochs", "1", "--lr", "0.1")) == 0
-    return out
+    with scratch(tmp_path_factory, "first") as out:
+        assert main(argv(digits, out, "--epochs", "1", "--lr", "0.1")) == 0
+        yield out
 
 
 def resumed(first_epoch, tmp_path):
