@@ -434,8 +434,10 @@ def worker_signals(worker_id: int) -> None:
     its checkpoint. A terminal sends Ctrl-C, and a scheduler (SLURM) SIGTERM, to every process of
     the job: a worker that died of it would make the DataLoader raise in the middle of the last
     step. SIGTERM only arms a timer, so a worker the DataLoader has to end (one that hangs) still
-    ends, WORKER_TERM_GRACE seconds later."""
+    ends, WORKER_TERM_GRACE seconds later (SIGALRM's default action: a handler the training process
+    had, pytest-timeout's in the tests, is not inherited for it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _term_later)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # SLURM's --signal=USR1@T reaches them too
 

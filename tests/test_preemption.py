@@ -130,6 +130,7 @@ def test_a_worker_that_got_sigterm_ends_by_itself_after_the_grace_period():
     script = ("import os, signal, time\n"
               "from imagenet import data\n"
               "data.WORKER_TERM_GRACE = 1\n"
+              "signal.signal(signal.SIGALRM, lambda *_: None)\n"  # the parent's handler, inherited by a fork
               "data.worker_signals(0)\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "print('alive after SIGTERM', flush=True)\n"
