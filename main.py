@@ -5,7 +5,7 @@ All logic lives in the ``imagenet`` package; ``python main.py --help`` lists the
 
 import sys
 
-from imagenet.runner import main
+from imagenet.cli import main  # torch is imported after the command line is checked
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """Wiring: dist -> data -> training state -> resume -> epochs.
 
-:func:`main` is what ``main.py`` calls; :func:`run` trains (or evaluates) one process's share.
+:func:`execute` runs what :func:`imagenet.cli.main` (``main.py``; ``main`` here too) parsed;
+:func:`run` trains (or evaluates) one process's share.
 A run's state lives in a :class:`imagenet.state.TrainState` (model, optimizer, schedule,
 precision, weight average) and a :class:`imagenet.state.Progress` (epoch, step, best Acc@1);
 its outputs are written by a :class:`imagenet.runlog.RunLog` and its checkpoints by a
@@ -23,11 +24,12 @@ import torch
 
 from . import checkpoint as ckpt_io
 from . import distributed
-from .config import Config, parse_config
+from .cli import main, user_error  # noqa: F401  (main: the in-process entry the tests call)
+from .config import Config
 from .data import (DataBundle, ValGeometry, build_datasets, build_loaders, image_size_at, micro_batch_size,
                    per_process_batch, val_geometry)
 from .engine import LoopOptions, Steady, train_one_epoch, validate
-from .errors import EXIT_USER_ERROR, UserError
+from .errors import UserError
 from .metrics import EpochRecord
 from .models import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
 from .precision import Precision, configure_tf32, describe
@@ -43,17 +45,16 @@ from .torch_private import set_last_lr
 logger = logging.getLogger("imagenet")
 
 
-def main(argv: Optional[list] = None) -> int:
-    """Command-line entry: parse, run, and turn user errors into one line and exit status 2."""
+def execute(cfg: Config) -> int:
+    """Run a parsed command line (one process, or one per GPU); user errors become one line and
+    exit status 2, a bug its traceback and status 1."""
     try:
-        cfg = parse_config(argv)
         if cfg.multiprocessing_distributed:
             return spawn_per_gpu(cfg, run)
         run(cfg)
         return 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return user_error(e)
     except Preempted as e:
         print(f"=> {e}", flush=True)
         return e.exit_code
