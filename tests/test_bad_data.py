@@ -10,7 +10,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from imagenet.config import Config
 from imagenet.data import (IMAGENET_MEAN, IMAGENET_STD, SafeImageFolder, build_datasets, train_transform,
                            val_transform)
 from imagenet.decode import TrainDecoder, ValDecoder, path_identity
+from tests.helpers import scratch
 
 REPO = Path(__file__).resolve().parents[1]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -345,32 +345,32 @@ RUNS = {  # name -> (tree, extra flags)
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     """Every CLI run at once (each start imports torch), on one shared tree."""
-    base = tmp_path_factory.mktemp("bad_tree")
-    data = base / "data"
-    converted, bad, n_train, n_val = make_tree(data)
-    make_one_survivor_tree(base / "one")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    procs, outs = {}, {}
-    for name, (tree, extra) in RUNS.items():
-        outs[name] = base / f"out-{name}"
-        cmd = [sys.executable, "main.py", str(base / tree), "-a", "resnet18", "-b", str(BATCH), "-j", "2",
-               "--image-size", "16", "--val-resize", "16", "--epochs", "1", "--seed", "0",
-               "--output-dir", str(outs[name]), *extra]
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE)
-    results = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # never leave a hung run behind
-            stdout, stderr = proc.communicate()
-        results[name] = (proc.returncode, stdout, stderr)
-    yield SimpleNamespace(results=results, outs=outs, converted=converted, bad=bad, n_train=n_train, n_val=n_val)
-    for p in bad:
-        if p.name == NOPERM:
-            p.chmod(0o644)
-    shutil.rmtree(base, ignore_errors=True)  # six runs' checkpoints: 430 MB
+    with scratch(tmp_path_factory, "bad_tree") as base:  # six runs' checkpoints: 430 MB
+        data = base / "data"
+        converted, bad, n_train, n_val = make_tree(data)
+        make_one_survivor_tree(base / "one")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        procs, outs = {}, {}
+        for name, (tree, extra) in RUNS.items():
+            outs[name] = base / f"out-{name}"
+            cmd = [sys.executable, "main.py", str(base / tree), "-a", "resnet18", "-b", str(BATCH), "-j", "2",
+                   "--image-size", "16", "--val-resize", "16", "--epochs", "1", "--seed", "0",
+                   "--output-dir", str(outs[name]), *extra]
+            procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE)
+        results = {}
+        for name, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # never leave a hung run behind
+                stdout, stderr = proc.communicate()
+            results[name] = (proc.returncode, stdout, stderr)
+        yield SimpleNamespace(results=results, outs=outs, converted=converted, bad=bad, n_train=n_train,
+                              n_val=n_val)
+        for p in bad:
+            if p.name == NOPERM:
+                p.chmod(0o644)
 
 
 def _real(paths) -> set:

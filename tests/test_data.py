@@ -4,7 +4,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from imagenet.data import (DataBundle, SafeImageFolder, ShardSampler, SyntheticD
 from imagenet.config import Config
 from imagenet.distributed import DistContext
 from imagenet.errors import UserError
+from tests.helpers import scratch
 
 REPO = Path(__file__).resolve().parents[1]
 _rng = np.random.default_rng(0)
@@ -356,28 +356,25 @@ def _tiny_tree_with_a_bad_image(root: Path) -> str:
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Start every CLI run of this module at once (each start imports torch), then collect them."""
-    procs, info, bases = {}, {}, []
-    for case, build in LAYOUT_CASES.items():
-        base = tmp_path_factory.mktemp(case)
-        bases.append(base)
-        root, fragments = build(base / "data" if case not in ("missing-dir", "dir-is-file") else base)
-        procs[case] = _main_py(root, "--epochs", "1", "-j", "0", "-b", "4", "--image-size", "16",
-                               "--val-resize", "16", "--output-dir", base / "out")
-        info[case] = fragments
-    for name, fraction in (("e2e-tolerant", "0.5"), ("e2e-strict", "0")):
-        base = tmp_path_factory.mktemp(name)
-        bases.append(base)
-        bad = _tiny_tree_with_a_bad_image(base / "data")
-        out = base / "out"
-        procs[name] = _main_py(base / "data", *TINY, "--output-dir", out, "--max-bad-fraction", fraction)
-        info[name] = (bad, out)
-    results = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        results[name] = (proc.returncode, stdout, stderr)
-    yield results, info
-    for base in bases:  # the runs' checkpoints
-        shutil.rmtree(base, ignore_errors=True)
+    tolerance = {"e2e-tolerant": "0.5", "e2e-strict": "0"}
+    with scratch(tmp_path_factory, *LAYOUT_CASES, *tolerance) as bases:  # the runs' checkpoints
+        base = dict(zip([*LAYOUT_CASES, *tolerance], bases))
+        procs, info = {}, {}
+        for case, build in LAYOUT_CASES.items():
+            root, fragments = build(base[case] / "data" if case not in ("missing-dir", "dir-is-file") else base[case])
+            procs[case] = _main_py(root, "--epochs", "1", "-j", "0", "-b", "4", "--image-size", "16",
+                                   "--val-resize", "16", "--output-dir", base[case] / "out")
+            info[case] = fragments
+        for name, fraction in tolerance.items():
+            bad = _tiny_tree_with_a_bad_image(base[name] / "data")
+            out = base[name] / "out"
+            procs[name] = _main_py(base[name] / "data", *TINY, "--output-dir", out, "--max-bad-fraction", fraction)
+            info[name] = (bad, out)
+        results = {}
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            results[name] = (proc.returncode, stdout, stderr)
+        yield results, info
 
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))

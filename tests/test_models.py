@@ -6,7 +6,6 @@ weight memory or random initialisation), which keeps the whole file well under 1
 """
 
 import os
-import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -287,21 +286,18 @@ def test_pretrained_unreadable_cache_file_is_a_user_error(empty_torch_home):
 def resnet50_hub(tmp_path_factory):
     """A torch hub cache holding ResNet-50 weights (random, of the right shapes) under the file
     names of torchvision's IMAGENET1K_V1 and V2 URLs, and a tiny ImageFolder."""
-    home = tmp_path_factory.mktemp("torch_home")
-    folder = home / "hub" / "checkpoints"
-    folder.mkdir(parents=True)
-    torch.manual_seed(3)
-    state = _state(torchvision.models.resnet50(num_classes=1000))
-    weights = torchvision.models.ResNet50_Weights
-    first = folder / os.path.basename(weights.IMAGENET1K_V2.url)
-    torch.save(state, first)
-    os.link(first, folder / os.path.basename(weights.IMAGENET1K_V1.url))
-    from tests.helpers import make_digits
-    data = tmp_path_factory.mktemp("digits")
-    make_digits(data, train_per_class=1, val_per_class=1)
-    yield home, str(data)
-    shutil.rmtree(home, ignore_errors=True)  # 100 MB of weights
-    shutil.rmtree(data, ignore_errors=True)
+    from tests.helpers import make_digits, scratch
+    with scratch(tmp_path_factory, "torch_home", "digits") as (home, data):  # 100 MB of weights
+        folder = home / "hub" / "checkpoints"
+        folder.mkdir(parents=True)
+        torch.manual_seed(3)
+        state = _state(torchvision.models.resnet50(num_classes=1000))
+        weights = torchvision.models.ResNet50_Weights
+        first = folder / os.path.basename(weights.IMAGENET1K_V2.url)
+        torch.save(state, first)
+        os.link(first, folder / os.path.basename(weights.IMAGENET1K_V1.url))
+        make_digits(data, train_per_class=1, val_per_class=1)
+        yield home, str(data)
 
 
 def _evaluate_pretrained(hub, tmp_path, monkeypatch, capsys, *flags, data_first=True):
