@@ -57,14 +57,18 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @dataclass(frozen=True)
 class Launch:
     """How one kernel is launched: ``tile`` elements per program step (BLOCK_M x BLOCK_C), ``warps``
-    per program; for the reductions, ``programs_per_sm`` programs aimed at per multiprocessor."""
+    per program; for the reductions, ``programs_per_sm`` programs aimed at per multiprocessor and
+    ``stages``, the loop iterations whose loads are in flight at once (Triton's software
+    pipelining of the row loop, ``tl.range(num_stages=)``; 1: none)."""
     tile: int
     warps: int
     programs_per_sm: int = 0
+    stages: int = 1
 
 
-# The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md, run Z3)
-LAUNCH = {"stats": Launch(4096, 4, 4), "apply": Launch(2048, 4), "grad": Launch(4096, 4, 4),
+# The settings of scripts/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md: runs Z3, and
+# AA2 for the reductions' pipelined loops)
+LAUNCH = {"stats": Launch(4096, 4, 2, 4), "apply": Launch(2048, 4), "grad": Launch(2048, 4, 2, 4),
           "grad_input": Launch(2048, 4)}
 LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
 TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program step (the sweep tries 2048-16384)
@@ -72,9 +76,9 @@ TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program s
 
 def launch_override(value: Optional[str]) -> dict:
     """The settings ``value`` (``IMAGENET_BN_LAUNCH``: a JSON object of phase: [tile, warps,
-    programs_per_sm], as scripts/bn_kernel_sweep.py writes it) asks for, to be put over
-    :data:`LAUNCH` (models.use_bn_kernels does, for main.py and bench.py); a ValueError naming
-    the problem where it is not one."""
+    programs_per_sm, stages], the last one or two optional, as scripts/bn_kernel_sweep.py
+    writes it) asks for, to be put over :data:`LAUNCH` (models.use_bn_kernels does, for main.py
+    and bench.py); a ValueError naming the problem where it is not one."""
     if not value:
         return {}
     try:
@@ -83,16 +87,17 @@ def launch_override(value: Optional[str]) -> dict:
             raise ValueError("the values must be whole numbers")
         settings = {phase: Launch(*values) for phase, values in asked.items()}
     except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm] "
-                         f"({e})") from None
+        raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm, "
+                         f"stages] ({e})") from None
     unknown = sorted(set(settings) - set(LAUNCH))
     bad = [p for p, launch in settings.items() if launch.tile not in TILES or launch.warps not in (1, 2, 4, 8, 16)
-           or not (1 if p in ("stats", "grad") else 0) <= launch.programs_per_sm <= 64]
+           or not (1 if p in ("stats", "grad") else 0) <= launch.programs_per_sm <= 64
+           or not 1 <= launch.stages <= (4 if p in ("stats", "grad") else 1)]
     if unknown or bad:
         raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
                          if unknown else f"{bad}: tiles are powers of two from {TILES[0]} to {TILES[-1]}, warps "
                                          "1-16 (a power of two), the reductions (stats, grad) 1-64 programs per "
-                                         "multiprocessor"))
+                                         "multiprocessor, stages 1-4 (the reductions; 1 for the others)"))
     return settings
 
 
@@ -124,7 +129,8 @@ def takes(x: torch.Tensor, bn: nn.Module) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                       STAGES: tl.constexpr):
         # Rows ROWS * pid .. of the [M, C] view, one channel block: sums of x - shift and of its
         # square, element-wise in registers, reduced once at the end (the shift, the block's
         # first row, keeps the variance's cancellation small); stored as (mean, M2).
@@ -134,7 +140,7 @@ if triton is not None:
         shift = tl.load(x_ptr + first.to(tl.int64) * C + c, mask=c_ok, other=0.0).to(tl.float32)
         s1 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
         s2 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        for start in range(0, ROWS, BLOCK_M):
+        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
             r = first + start + tl.arange(0, BLOCK_M)
             mask = (r < M)[:, None] & c_ok[None, :]
             x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -223,7 +229,7 @@ if triton is not None:
 
     @triton.jit
     def _partial_grad(dy_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
         # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -231,7 +237,7 @@ if triton is not None:
         sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
         sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
         first = tl.program_id(0) * ROWS
-        for start in range(0, ROWS, BLOCK_M):
+        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
             r = first + start + tl.arange(0, BLOCK_M)
             mask = (r < M)[:, None] & c_ok[None, :]
             offs = r.to(tl.int64)[:, None] * C + c[None, :]
@@ -335,7 +341,7 @@ def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.T
     launch = LAUNCH["stats"]
     m, c, (block_m, block_c, rows, parts), (pmean, pm2), (mean, invstd) = _reduction(x, launch)
     _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
-                                                     BLOCK_C=block_c, num_warps=launch.warps)
+                                                     BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
     _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
                                                rows, eps, momentum, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
@@ -367,7 +373,7 @@ def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], 
     xs = _rows(x)
     _partial_grad[(parts, triton.cdiv(c, block_c))](
         _rows(dy), _rows(y) if y is not None else xs, xs, mean, invstd, weight, bias, psg, psgx, m, c, rows,
-        MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=launch.warps)
+        MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
     _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
                                               BLOCK_P=FINISH_P, BLOCK_C=finish_c)

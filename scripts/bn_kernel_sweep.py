@@ -21,6 +21,7 @@ import json
 import os
 import statistics as stats
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +31,9 @@ from torchvision.models.resnet import Bottleneck  # noqa: E402
 
 from imagenet import fusedbn  # noqa: E402
 
-REDUCTIONS = [fusedbn.Launch(t, w, p) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (4, 8, 16, 32)]
+# Stages > 1 pipeline the row loop's loads (more bytes in flight a program, more registers)
+REDUCTIONS = ([fusedbn.Launch(t, w, p, s) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (2, 3, 4)
+               for s in (1, 2, 3, 4)] + [fusedbn.Launch(4096, 4, 8, s) for s in (1, 3)])
 POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
 
 
@@ -91,6 +94,39 @@ def phase_bytes(phase: str, t: dict) -> int:
     return passes * t["x"].numel() * 2
 
 
+PHASE_KERNELS = {"stats": ("_partial_stats",), "apply": ("_apply",), "grad": ("_partial_grad",),
+                 "grad_input": ("_grad_input",)}
+
+
+def compiled(kernel) -> list:
+    """The compiled variants of a Triton kernel so far (Triton 3.x keeps them per device)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return [k for entry in caches.values() for k in entry[0].values()]
+    return [k for per_device in getattr(kernel, "cache", {}).values() for k in per_device.values()]
+
+
+def registers(phase: str, seen: set) -> tuple:
+    """(most registers a thread, most spilled registers) of the phase's main kernel's variants
+    compiled since ``seen`` (which this updates); (None, None) where Triton does not say."""
+    new = [k for name in PHASE_KERNELS[phase] for k in compiled(getattr(fusedbn, name)) if id(k) not in seen]
+    seen.update(id(k) for k in new)
+    regs = [getattr(k, "n_regs", None) for k in new]
+    spills = [getattr(k, "n_spills", None) for k in new]
+    if not new or None in regs:
+        return None, None
+    return max(regs), max(spills)
+
+
+def resident(regs, warps: int) -> Optional[int]:
+    """Programs of ``warps`` warps that fit on one multiprocessor of a Hopper GPU by registers
+    (64K a multiprocessor, allocated 256 a warp at a time, at most 64 warps)."""
+    if regs is None:
+        return None
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 64 // warps)
+
+
 def time_phase(calls: list, repeats: int) -> float:
     """Device milliseconds of the calls in order: replayed as one CUDA graph, as a compiled step
     runs them, so the launches' host time (several times the small layers' kernels) is not counted."""
@@ -121,6 +157,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--phases", default="stats,apply,grad,grad_input", help="the phases to sweep, comma-separated")
     p.add_argument("--out", default=None, help="directory for bn_kernel_sweep.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -129,41 +166,57 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     layers = resnet50_layers(args.batch)
     tensors = make_tensors(layers, device)
-    rows = []
+    phases = [phase for phase in args.phases.split(",") if phase]
+    unknown = sorted(set(phases) - set(PHASE_KERNELS))
+    if unknown:
+        print(f"--phases: unknown {unknown}; choose from {', '.join(PHASE_KERNELS)}", file=sys.stderr)
+        return 2
+    # The read rate a plain reduction reaches on these tensors: torch's sum of each whole one
+    read = sum(t["x"].numel() * 2 for t in tensors)
+    ceiling = time_phase([lambda t=t: t["x"].sum() for t in tensors], args.repeats)
+    print(f"ceiling: torch.sum over every layer's input once, {ceiling:.3f} ms, {read / ceiling / 1e9:.2f} TB/s",
+          flush=True)
+    rows, seen = [], set()
     for phase, candidates in (("stats", REDUCTIONS), ("apply", POINTWISE), ("grad", REDUCTIONS),
                               ("grad_input", POINTWISE)):
+        if phase not in phases:
+            continue
         shipped = fusedbn.LAUNCH[phase]
         moved = sum(phase_bytes(phase, t) for t in tensors)
         for launch in candidates:
             fusedbn.LAUNCH[phase] = launch
             ms = time_phase([phase_call(phase, t) for t in tensors], args.repeats)
+            regs, spills = registers(phase, seen)
             rows.append({"phase": phase, "tile": launch.tile, "warps": launch.warps,
-                         "programs_per_sm": launch.programs_per_sm, "ms": ms, "tb_s": moved / ms / 1e9,
-                         "shipped": launch == shipped})
+                         "programs_per_sm": launch.programs_per_sm, "stages": launch.stages, "ms": ms,
+                         "tb_s": moved / ms / 1e9, "regs": regs, "spills": spills,
+                         "resident": resident(regs, launch.warps), "shipped": launch == shipped})
+            print(f"{phase} {launch}: {ms:.3f} ms, {rows[-1]['tb_s']:.2f} TB/s, {regs} registers ({spills} spilled)",
+                  flush=True)
         fusedbn.LAUNCH[phase] = shipped
     print(f"\nResNet-50 batch {args.batch}: {len(layers)} BatchNorm layers, fp16 activations; ms per training step")
-    print("| phase | tile | warps | programs/SM | ms/step | TB/s | |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| phase | tile | warps | programs/SM | stages | ms/step | TB/s | registers (spilled) | fit/SM | |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     best_total = shipped_total = 0.0
-    for phase in ("stats", "apply", "grad", "grad_input"):
+    for phase in phases:
         mine = [r for r in rows if r["phase"] == phase]
         best = min(mine, key=lambda r: r["ms"])
         best_total += best["ms"]
         shipped_total += next(r["ms"] for r in mine if r["shipped"])
         for r in mine:
             mark = " ".join(m for m, on in (("fastest", r is best), ("shipped", r["shipped"])) if on)
-            print(f"| {phase} | {r['tile']} | {r['warps']} | {r['programs_per_sm'] or '-'} | {r['ms']:.3f} | "
-                  f"{r['tb_s']:.2f} | {mark} |")
-    print(f"\nall four phases: {shipped_total:.2f} ms a step with fusedbn.LAUNCH, {best_total:.2f} with each "
+            print(f"| {phase} | {r['tile']} | {r['warps']} | {r['programs_per_sm'] or '-'} | {r['stages']} | "
+                  f"{r['ms']:.3f} | {r['tb_s']:.2f} | {r['regs']} ({r['spills']}) | {r['resident']} | {mark} |")
+    print(f"\nthe phases swept: {shipped_total:.2f} ms a step with fusedbn.LAUNCH, {best_total:.2f} with each "
           f"phase's fastest setting")
-    fastest = {phase: min((r for r in rows if r["phase"] == phase), key=lambda r: r["ms"])
-               for phase in ("stats", "apply", "grad", "grad_input")}
-    launch = {phase: [r["tile"], r["warps"], r["programs_per_sm"]] for phase, r in fastest.items()}
+    fastest = {phase: min((r for r in rows if r["phase"] == phase), key=lambda r: r["ms"]) for phase in phases}
+    launch = {phase: [r["tile"], r["warps"], r["programs_per_sm"], r["stages"]] for phase, r in fastest.items()}
     print(f"IMAGENET_BN_LAUNCH='{json.dumps(launch)}' runs the fastest settings")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bn_kernel_sweep.json"), "w") as f:
-            json.dump({"batch": args.batch, "rows": rows}, f, indent=1)
+            json.dump({"batch": args.batch, "rows": rows, "ceiling_ms": ceiling, "ceiling_tb_s": read / ceiling / 1e9},
+                      f, indent=1)
         with open(os.path.join(args.out, "bn_launch.json"), "w") as f:
             json.dump(launch, f)
     return 0

@@ -235,13 +235,16 @@ def test_launch_settings_from_the_environment(monkeypatch):
     monkeypatch.setattr(fusedbn, "LAUNCH", dict(fusedbn.LAUNCH))  # use_bn_kernels updates it in place
     monkeypatch.setattr("imagenet.models.LAUNCH", fusedbn.LAUNCH)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("IMAGENET_BN_LAUNCH", '{"stats": [2048, 8, 2], "apply": [1024, 2, 0]}')
+    monkeypatch.setenv("IMAGENET_BN_LAUNCH", '{"stats": [2048, 8, 2], "apply": [1024, 2, 0], "grad": [4096, 4, 4, 3]}')
     assert use_bn_kernels("triton", torch.device("cpu"))
     assert fusedbn.LAUNCH["stats"] == fusedbn.Launch(2048, 8, 2) and fusedbn.LAUNCH["apply"] == fusedbn.Launch(1024, 2)
+    assert fusedbn.LAUNCH["grad"] == fusedbn.Launch(4096, 4, 4, 3)
     for value, message in (("{stats: 1}", "is not a JSON object"), ('{"stat": [2048, 4, 4]}', "unknown phase"),
                            ('{"stats": [3000, 4, 4]}', "powers of two"), ('{"grad": [2048, 4, 0]}', "1-64 programs"),
                            ('{"apply": [1048576, 4]}', "powers of two from 256 to 16384"),
-                           ('{"stats": [4096.5, 4, 4]}', "whole numbers"), ('{"apply": 5}', "is not a JSON object")):
+                           ('{"stats": [4096.5, 4, 4]}', "whole numbers"), ('{"apply": 5}', "is not a JSON object"),
+                           ('{"stats": [4096, 4, 4, 5]}', "stages 1-4"), ('{"apply": [2048, 4, 0, 2]}', "stages 1-4"),
+                           ('{"grad": [4096, 4, 4, 2, 1]}', "is not a JSON object")):
         monkeypatch.setenv("IMAGENET_BN_LAUNCH", value)
         with pytest.raises(UserError, match=message):
             use_bn_kernels("triton", torch.device("cpu"))
