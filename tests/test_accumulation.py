@@ -135,3 +135,20 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
     with pytest.raises(UserError, match="NaN/inf for 4 steps"):
         epoch_of(net(), loader, opt, sched, Precision(), CPU,
                  LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
+
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_accumulation_under_cuda_graphs_is_refused(mode, capsys):
+    """--accum-steps with a --compile mode that replays CUDA graphs stopped in torch with a bare
+    "accessing tensor output of CUDAGraphs that has been overwritten" on the second pass
+    (measured on an H200, docs/BENCHMARKS.md run AA8): refused before anything is built."""
+    rc = main(["--dummy", "-a", "resnet18", "--accum-steps", "2", "--compile", mode])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--accum-steps 2 adds up the gradients" in err and "use --compile default" in err, err
+
+
+def test_accumulation_with_compile_default_is_accepted():
+    from imagenet.config import Config, validate
+    validate(Config(arch="resnet18", accum_steps=2, compile="default"))

@@ -161,7 +161,9 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     the worst relative difference over the last output, the gradients and the buffers; whether
     the compiled run kept the kernels (the ops in its graph); how often Inductor gave up CUDA
     graphs. Under reduce-overhead the first step warms up, the second records the graphs and the
-    third replays them."""
+    third replays them, and each parameter's gradient is copied out of the graph's memory after
+    every pass (torch's own accumulation over replays reads memory the next replay overwrote:
+    the trainer refuses --accum-steps under CUDA graphs)."""
     from torch._dynamo.utils import counters
     from imagenet.fusedbn import fuse_resnet
     torch.manual_seed(0)
@@ -172,6 +174,9 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     tracer = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
     x = torch.randn(4, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
     torch.compile(tracer, backend=_counting(calls))(x)
+    if mode == "reduce-overhead":
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad.clone()))
     compiled = torch.compile(model, backend=backend, mode=mode)
     skips = counters["inductor"]["cudagraph_skips"]
     outputs = []
