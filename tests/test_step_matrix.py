@@ -93,3 +93,29 @@ def test_the_tests_step_reports_pytests_summary(tmp_path):
         result = step_matrix.run_tests(str(tmp_path / "test_two.py"), 120, fh)
     assert result["rc"] == 1 and "1 failed, 1 passed" in result["summary"]
     assert "assert False" in log.read_text()
+
+
+def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
+    """scripts/bn_kernel_sweep.py: a kernel's registers, spills and shared memory belong to the
+    settings it was compiled for (tile, warps, stages), so a candidate that differs only in
+    programs a multiprocessor, or equals the settings compiled before the sweep, reports them
+    too; the programs that fit a multiprocessor count registers, warps and shared memory."""
+    pytest.importorskip("triton")
+    sweep = _load("bn_kernel_sweep")
+    from types import SimpleNamespace as K
+
+    from imagenet import fusedbn
+    kernels = []
+    monkeypatch.setattr(sweep, "compiled", lambda kernel: list(kernels))
+    known, seen = {}, set()
+    kernels.append(K(n_regs=128, n_spills=0, metadata=K(shared=65536)))
+    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 4, 4), known, seen) == (128, 0, 65536)  # same kernel
+    kernels.append(K(n_regs=64, n_spills=2, metadata=K(shared=0)))
+    assert sweep.resources("stats", fusedbn.Launch(4096, 8, 2, 1), known, seen) == (64, 2, 0)
+    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("grad", fusedbn.Launch(2048, 4, 2, 4), known, seen) == (None, None, None)
+    assert sweep.resident(128, 0, 4) == 4  # 65536 / (128 * 32 * 4)
+    assert sweep.resident(128, 65536, 4) == 3  # 228 KB / 65 KB
+    assert sweep.resident(32, 0, 16) == 4  # at most 64 warps
+    assert sweep.resident(None, None, 4) is None
