@@ -137,7 +137,6 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
                  LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
 
 
-
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_accumulation_under_cuda_graphs_is_refused(mode, capsys):
     """--accum-steps with a --compile mode that replays CUDA graphs stopped in torch with a bare
@@ -149,6 +148,7 @@ def test_accumulation_under_cuda_graphs_is_refused(mode, capsys):
     assert "--accum-steps 2 adds up the gradients" in err and "use --compile default" in err, err
 
 
-def test_accumulation_with_compile_default_is_accepted():
+def test_accumulation_without_cuda_graphs_and_cuda_graphs_without_accumulation_are_accepted():
     from imagenet.config import Config, validate
     validate(Config(arch="resnet18", accum_steps=2, compile="default"))
+    validate(Config(arch="resnet18", accum_steps=1, compile="reduce-overhead"))
