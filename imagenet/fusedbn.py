@@ -77,8 +77,9 @@ TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program s
 def launch_override(value: Optional[str]) -> dict:
     """The settings ``value`` (``IMAGENET_BN_LAUNCH``: a JSON object of phase: [tile, warps,
     programs_per_sm, stages] as scripts/bn_kernel_sweep.py writes it; stages may be left out,
-    and for the pointwise phases programs_per_sm too) asks for, to be put over :data:`LAUNCH` (models.use_bn_kernels does, for main.py
-    and bench.py); a ValueError naming the problem where it is not one."""
+    and for the pointwise phases programs_per_sm too) asks for, to be put over :data:`LAUNCH`
+    (models.use_bn_kernels does, for main.py and bench.py); a ValueError naming the problem
+    where it is not one."""
     if not value:
         return {}
     try:
