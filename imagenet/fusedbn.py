@@ -91,9 +91,10 @@ def launch_override(value: Optional[str]) -> dict:
         raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm, "
                          f"stages] ({e})") from None
     unknown = sorted(set(settings) - set(LAUNCH))
+    reduction = {"stats", "grad"}  # the phases with a row loop (programs per multiprocessor, stages)
     bad = [p for p, launch in settings.items() if launch.tile not in TILES or launch.warps not in (1, 2, 4, 8, 16)
-           or not (1 if p in ("stats", "grad") else 0) <= launch.programs_per_sm <= 64
-           or not 1 <= launch.stages <= (4 if p in ("stats", "grad") else 1)]
+           or not (1 if p in reduction else 0) <= launch.programs_per_sm <= 64
+           or not 1 <= launch.stages <= (4 if p in reduction else 1)]
     if unknown or bad:
         raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
                          if unknown else f"{bad}: tiles are powers of two from {TILES[0]} to {TILES[-1]}, warps "

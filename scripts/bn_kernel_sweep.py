@@ -94,8 +94,7 @@ def phase_bytes(phase: str, t: dict) -> int:
     return passes * t["x"].numel() * 2
 
 
-PHASE_KERNELS = {"stats": ("_partial_stats",), "apply": ("_apply",), "grad": ("_partial_grad",),
-                 "grad_input": ("_grad_input",)}
+PHASE_KERNELS = {"stats": "_partial_stats", "apply": "_apply", "grad": "_partial_grad", "grad_input": "_grad_input"}
 
 
 def compiled(kernel) -> list:
@@ -112,7 +111,7 @@ def resources(phase: str, launch, known: dict, seen: set) -> tuple:
     else the ones ``known`` holds for the same compiled settings (tile, warps, stages: programs
     a multiprocessor only size the grid), which this fills; Nones where Triton does not say."""
     key = (phase, launch.tile, launch.warps, launch.stages)
-    new = [k for name in PHASE_KERNELS[phase] for k in compiled(getattr(fusedbn, name)) if id(k) not in seen]
+    new = [k for k in compiled(getattr(fusedbn, PHASE_KERNELS[phase])) if id(k) not in seen]
     seen.update(id(k) for k in new)
     regs = [getattr(k, "n_regs", None) for k in new]
     if new and None not in regs:
