@@ -26,11 +26,12 @@ CUDA = torch.cuda.is_available()
 LAYERS = [(2, 5, 3, 3), (3, 70, 5, 4), (2, 130, 1, 2), (4, 3, 16, 16), (2, 64, 16, 16)]
 
 
-def _reference(x, bn, residual, relu):
+def _reference(x, bn, residual, relu) -> tuple:
+    """(the output, the value the ReLU sees)."""
     out = bn(x)
     if residual is not None:
         out = out + residual
-    return F.relu(out) if relu else out
+    return (F.relu(out) if relu else out), out
 
 
 def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=4) -> list:
@@ -58,8 +59,8 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
             for residual_on, relu in ((False, True), (True, True), (False, False)):
                 a, b = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
                 with torch.no_grad():
-                    a.weight.uniform_(0.5, 1.5, generator=None)
-                    a.bias.uniform_(-0.5, 0.5)
+                    a.weight.uniform_(0.5, 1.5, generator=g)
+                    a.bias.uniform_(-0.5, 0.5, generator=g)
                 b.load_state_dict(a.state_dict())
                 offsets = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) * 1.5  # per image
                 x = (torch.randn(n, c, h, w, generator=g) * 2 + 1 + offsets).to(device, dtype)
@@ -69,7 +70,7 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
                 ra = r.clone().requires_grad_(True) if residual_on else None
                 rb = r.double().requires_grad_(True) if residual_on else None
                 ya = fusedbn.bn_act(xa, a, ra, relu)
-                yb = _reference(xb, b, rb, relu)
+                yb, zb = _reference(xb, b, rb, relu)
                 grad = torch.randn(ya.shape, generator=g).to(device, dtype)
                 ya.backward(grad)
                 yb.backward(grad.double())
@@ -82,6 +83,7 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
                 rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu}",
                              "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
                              "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
+                             "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
                              "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
                              "layout": ya.is_contiguous(memory_format=torch.channels_last)
                              and xa.grad.is_contiguous(memory_format=torch.channels_last)})
@@ -89,10 +91,17 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
 
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}  # relative to each tensor's largest value
+# The ReLU's input nearest zero, relative to its largest: below this the float32 kernel and the float64
+# reference may round a value to opposite sides of zero, and then both gradients are right but differ by
+# the whole gradient there. The data are drawn from a seeded generator, so this holds on every machine
+# once it holds on one (a case where it does not needs other data, not a looser tolerance).
+MARGIN = 1e-6
 
 
 def _check_layers(rows: list, several_parts: bool = True) -> None:
     assert not several_parts or any(r["finish_steps"] > 1 for r in rows), "no case combined tiles of partial results"
+    near_zero = [r["case"] for r in rows if r["margin"] < MARGIN]
+    assert not near_zero, f"the test's data put a ReLU input within rounding of zero: {near_zero}"
     bad = [r for r in rows if not (r["kernel"] and r["tracked"] and r["layout"] and r["err"] <= TOLERANCE[r["dtype"]])]
     assert not bad, bad
 
