@@ -186,13 +186,12 @@ def main(argv=None) -> int:
         print(f"ceiling: torch.sum over every layer's input once, {ceiling:.3f} ms, {read / ceiling / 1e9:.2f} TB/s",
               flush=True)
     rows = []
-    for phase, candidates in (("stats", REDUCTIONS), ("apply", POINTWISE), ("grad", REDUCTIONS),
-                              ("grad_input", POINTWISE)):
-        if phase not in phases:
-            continue
+    for phase in phases:
         shipped = fusedbn.LAUNCH[phase]
+        candidates = REDUCTIONS if phase in ("stats", "grad") else POINTWISE
         moved = sum(phase_bytes(phase, t) for t in tensors)
-        for launch in candidates:
+        # the shipped settings always get a row: the table and the totals compare against them
+        for launch in candidates + ([shipped] if shipped not in candidates else []):
             fusedbn.LAUNCH[phase] = launch
             ms = time_phase([phase_call(phase, t) for t in tensors], args.repeats)
             regs, spills, shared = resources(phase, launch, known, seen)
