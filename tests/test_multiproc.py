@@ -240,11 +240,22 @@ def test_two_nodes(tmp_path, rendezvous):
 def test_max_restarts_restarts_the_group_until_it_gives_up(tmp_path):
     # Rank 1 dies by SIGKILL in every attempt: one start and two restarts, then the launcher gives
     # up with that rank's status. Each attempt's output is kept, the restarts marked in the log.
+    # Rank 0 looks in its attempt's store for the key the attempt before left there, then leaves it;
+    # rank 1 dies only after that.
     script = write_child(tmp_path, """\
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         print(f"rank {RANK} attempt {attempt}", flush=True)
+        if RANK == 0:
+            import datetime
+            import torch.distributed as dist
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=20))
+            stale = store.check(["left-by-an-earlier-attempt"])
+            store.set("left-by-an-earlier-attempt", attempt)
+            write(f"rank0-stale{attempt}", json.dumps(stale))
         write(f"rank{RANK}-attempt{attempt}", os.environ["MASTER_PORT"])
         if RANK == 1:
+            wait_for(f"rank0-stale{attempt}")
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
     """)
@@ -255,9 +266,11 @@ def test_max_restarts_restarts_the_group_until_it_gives_up(tmp_path):
     assert time.monotonic() - start < 30
     assert {p.name for p in tmp_path.glob("rank*-attempt*")} == {
         f"rank{rank}-attempt{a}" for a in range(3) for rank in (0, 1)}
-    # Each attempt gets a store of its own: the failed one's keys would mislead the new processes.
-    ports = [(tmp_path / f"rank0-attempt{a}").read_text() for a in range(3)]
-    assert len(set(ports)) == 3 and all((tmp_path / f"rank1-attempt{a}").read_text() == ports[a] for a in range(3))
+    # Each attempt gets a store of its own, shared by its ranks: the failed one's keys would mislead
+    # the new processes. (Not told by the port: the OS may hand a closed store's port out again.)
+    assert [json.loads((tmp_path / f"rank0-stale{a}").read_text()) for a in range(3)] == [False] * 3
+    assert all((tmp_path / f"rank1-attempt{a}").read_text() == (tmp_path / f"rank0-attempt{a}").read_text()
+               for a in range(3))
     assert r.stderr.count("rank 1 exited with status 137 (output: ") == 3, r.stderr
     assert r.stderr.count("GPU_1.log, killed by SIGKILL)") == 3, r.stderr
     assert "restart 1 of 2: starting 2 processes" in r.stderr and "restart 2 of 2" in r.stderr
