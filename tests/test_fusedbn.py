@@ -59,8 +59,9 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
             for residual_on, relu in ((False, True), (True, True), (False, False)):
                 a, b = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
                 with torch.no_grad():
-                    a.weight.uniform_(0.5, 1.5, generator=g)
-                    a.bias.uniform_(-0.5, 0.5, generator=g)
+                    # drawn on the CPU (the generator's device) and copied, so a GPU run tests the same values
+                    a.weight.copy_(torch.empty(c).uniform_(0.5, 1.5, generator=g))
+                    a.bias.copy_(torch.empty(c).uniform_(-0.5, 0.5, generator=g))
                 b.load_state_dict(a.state_dict())
                 offsets = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) * 1.5  # per image
                 x = (torch.randn(n, c, h, w, generator=g) * 2 + 1 + offsets).to(device, dtype)
