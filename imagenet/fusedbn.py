@@ -10,7 +10,11 @@ needs and no more:
   results combined in a fixed order, so the result is deterministic), one pass that normalises,
   adds the residual and applies the ReLU;
 * backward: one pass for the two per-channel sums (of the ReLU-masked gradient and of it times
-  the centred input), one pass that writes the input's gradient (and the residual's).
+  the centred input), one pass that writes the input's gradient (and the residual's). A block's
+  output is read twice by the next block (its first convolution and its shortcut), so it gets
+  two gradients: the output is forked (:class:`_ForkedBnAct`) and both passes load the two and
+  add them, where autograd would sum them in a pass of its own first (1.2 ms of a 48 ms
+  ResNet-50 step at batch 384, docs/BENCHMARKS.md, run BB4).
 
 Where no residual is added (two of a Bottleneck's three BatchNorms) the ReLU's mask is
 recomputed from the input and the statistics instead of read from the output: two fewer passes
@@ -230,8 +234,18 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _partial_grad(dy_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+    def _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS: tl.constexpr):
+        # the gradient reaching the output, float32: one tensor, or the sum of the two a forked
+        # output receives (its block's next convolution's and the next block's shortcut's)
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if TWO_GRADS:
+            g += tl.load(dy2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return g
+
+    @triton.jit
+    def _partial_grad(dy_ptr, dy2_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
+                      TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                      STAGES: tl.constexpr):
         # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -243,7 +257,7 @@ if triton is not None:
             r = first + start + tl.arange(0, BLOCK_M)
             mask = (r < M)[:, None] & c_ok[None, :]
             offs = r.to(tl.int64)[:, None] * C + c[None, :]
-            g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
             sg += g
@@ -272,8 +286,9 @@ if triton is not None:
         tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
-    def _grad_input(dy_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr, M, C,
-                    HAS_RES: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _grad_input(dy_ptr, dy2_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr,
+                    M, C, HAS_RES: tl.constexpr, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -282,7 +297,7 @@ if triton is not None:
         mean_g = tl.load(sg_ptr + c, mask=c_ok, other=0.0) / M
         proj = tl.load(sgx_ptr + c, mask=c_ok, other=0.0) * invstd * invstd / M
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
-        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
         if HAS_RES:
@@ -366,16 +381,19 @@ def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Ten
 
 
 def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
-                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int) -> tuple:
-    """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy``; and the
-    weight's and bias's gradients."""
+                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
+                  dy2: Optional[torch.Tensor] = None) -> tuple:
+    """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy`` (plus
+    ``dy2``, a forked output's second gradient); and the weight's and bias's gradients."""
     launch = LAUNCH["grad"]
     m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
     dw, db = torch.empty_like(weight), torch.empty_like(bias)
     xs = _rows(x)
+    dys = _rows(dy)
     _partial_grad[(parts, triton.cdiv(c, block_c))](
-        _rows(dy), _rows(y) if y is not None else xs, xs, mean, invstd, weight, bias, psg, psgx, m, c, rows,
-        MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
+        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, mean, invstd, weight,
+        bias, psg, psgx, m, c, rows, TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        STAGES=launch.stages, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
     _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
                                               BLOCK_P=FINISH_P, BLOCK_C=finish_c)
@@ -384,7 +402,7 @@ def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], 
 
 def input_gradients(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sg: torch.Tensor,
-                    sgx: torch.Tensor, mask: int, has_res: bool) -> tuple:
+                    sgx: torch.Tensor, mask: int, has_res: bool, dy2: Optional[torch.Tensor] = None) -> tuple:
     """(the input's gradient, the residual's or an empty tensor), channels_last, in ``x``'s dtype."""
     n, c, h, w = x.shape
     m = n * h * w
@@ -392,10 +410,11 @@ def input_gradients(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor]
     block_m, block_c = _blocks(c, launch)
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
-    xs = _rows(x)
+    xs, dys = _rows(x), _rows(dy)
     _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-        _rows(dy), _rows(y) if y is not None else xs, xs, _rows(dx), _rows(dr) if has_res else xs, mean, invstd,
-        weight, bias, sg, sgx, m, c, HAS_RES=has_res, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, _rows(dx),
+        _rows(dr) if has_res else xs, mean, invstd, weight, bias, sg, sgx, m, c, HAS_RES=has_res,
+        TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=launch.warps)
     return dx, dr
 
@@ -427,19 +446,21 @@ def _(x, weight, bias, residual, mean, invstd, relu):
 
 
 @torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
-def bn_act_backward(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
-                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
+def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tensor, y: Optional[torch.Tensor],
+                    mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
                     has_res: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`."""
+    """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`, the output's
+    gradient ``dy`` plus ``dy2`` where it was forked (:class:`_ForkedBnAct`)."""
     dy, x = _cl(dy), _cl(x)
     y = _cl(y) if y is not None else None
-    sg, sgx, dw, db = gradient_sums(dy, x, y, mean, invstd, weight, bias, mask)
-    dx, dr = input_gradients(dy, x, y, mean, invstd, weight, bias, sg, sgx, mask, has_res)
+    dy2 = _cl(dy2) if dy2 is not None else None
+    sg, sgx, dw, db = gradient_sums(dy, x, y, mean, invstd, weight, bias, mask, dy2)
+    dx, dr = input_gradients(dy, x, y, mean, invstd, weight, bias, sg, sgx, mask, has_res, dy2)
     return dx, dw, db, dr
 
 
 @bn_act_backward.register_fake
-def _(dy, x, y, mean, invstd, weight, bias, mask, has_res):
+def _(dy, dy2, x, y, mean, invstd, weight, bias, mask, has_res):
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
     return dx, torch.empty_like(weight), torch.empty_like(bias), dr
@@ -456,10 +477,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, y if ctx.mask == MASK_FROM_OUTPUT else None, mean, invstd, weight, bias)
 
 
-def _backward_rule(ctx, dy):
+def _backward_rule(ctx, dy, dy2=None):
     # the whole gradient of x, through the statistics too: mean and invstd get none
     x, y, mean, invstd, weight, bias = ctx.saved_tensors
-    dx, dw, db, dr = bn_act_backward(dy, x, y, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
+    dx, dw, db, dr = bn_act_backward(dy, dy2, x, y, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
     if ctx.has_res and dr.dtype != ctx.residual_dtype:
         dr = dr.to(ctx.residual_dtype)
     return dx, dw, db, (dr if ctx.has_res else None), None, None, None
@@ -468,17 +489,48 @@ def _backward_rule(ctx, dy):
 bn_act_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
+class _ForkedBnAct(torch.autograd.Function):
+    """:func:`bn_act_op` with its output returned twice (one tensor and a view of it), for a block
+    output that two layers read: the next block's first convolution and its shortcut. Autograd
+    would sum their two gradients in a pass of its own (read two, write one) before the backward
+    read the sum twice; apart, the backward's kernels add them in float32 as they load them: one
+    pass over the tensor fewer. The arithmetic is bn_act_op's; only that sum is no longer rounded
+    to the activations' dtype first. (A custom op may not return aliases, hence a Function.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, mean, invstd, relu):
+        y = bn_act_op(x, weight, bias, residual, mean, invstd, relu)
+        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu), y)
+        return y, y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy, dy2):
+        if dy is None or dy2 is None:  # one of the two reads had no gradient
+            dy, dy2 = (dy if dy is not None else dy2), None
+        return _backward_rule(ctx, dy, dy2)
+
+
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
-           relu: bool = True) -> torch.Tensor:
-    """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`."""
+           relu: bool = True, fork: bool = False):
+    """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`;
+    with ``fork``, as a pair (for the next block's convolution, for its shortcut) whose two
+    gradients the backward adds itself (:class:`_ForkedBnAct`)."""
     if not takes(x, bn) or (residual is not None and residual.dtype != x.dtype):  # torch would promote
         out = bn(x)
         if residual is not None:
             out = out + residual
-        return F.relu(out) if relu else out
+        out = F.relu(out) if relu else out
+        return (out, out) if fork else out
     bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
     mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    if fork:
+        return _ForkedBnAct.apply(x, bn.weight, bn.bias, residual, mean, invstd, relu)
     return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
+
+
+def _block_input(x) -> tuple:
+    """A block's input as (for its first convolution, for its shortcut): a forked pair or one tensor."""
+    return x if isinstance(x, tuple) else (x, x)
 
 
 def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -491,20 +543,29 @@ def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedBasicBlock(BasicBlock):
-    """torchvision's BasicBlock with its BatchNorms, add and ReLUs through :func:`bn_act`."""
+    """torchvision's BasicBlock with its BatchNorms, add and ReLUs through :func:`bn_act`; with
+    ``fork_output`` (set by :func:`fuse_resnet` where another block follows) its output is a forked
+    pair, and its input may be one."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fork_output = False
+
+    def forward(self, x):
+        x, shortcut = _block_input(x)
         out = bn_act(self.conv1(x), self.bn1)
-        return bn_act(self.conv2(out), self.bn2, residual=_downsample(self, x))
+        return bn_act(self.conv2(out), self.bn2, residual=_downsample(self, shortcut), fork=self.fork_output)
 
 
 class FusedBottleneck(Bottleneck):
-    """torchvision's Bottleneck with its BatchNorms, add and ReLUs through :func:`bn_act`."""
+    """torchvision's Bottleneck with its BatchNorms, add and ReLUs through :func:`bn_act`; forked
+    output and input as :class:`FusedBasicBlock`'s."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fork_output = False
+
+    def forward(self, x):
+        x, shortcut = _block_input(x)
         out = bn_act(self.conv1(x), self.bn1)
         out = bn_act(self.conv2(out), self.bn2)
-        return bn_act(self.conv3(out), self.bn3, residual=_downsample(self, x))
+        return bn_act(self.conv3(out), self.bn3, residual=_downsample(self, shortcut), fork=self.fork_output)
 
 
 class FusedResNet(ResNet):
@@ -518,11 +579,16 @@ class FusedResNet(ResNet):
 
 def fuse_resnet(model: nn.Module) -> nn.Module:
     """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
-    place: every module, parameter and buffer keeps its name, so the state dict is unchanged."""
+    place: every module, parameter and buffer keeps its name, so the state dict is unchanged. In a
+    whole ResNet every block but the last forks its output (the next block reads it twice)."""
     swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
     for module in model.modules():
         if type(module) in swaps:
             module.__class__ = swaps[type(module)]
+    if isinstance(model, FusedResNet):  # its blocks run one after another: layer1's first .. layer4's last
+        blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+        for block in blocks[:-1]:
+            block.fork_output = True
     return model
 
 

@@ -52,42 +52,53 @@ def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=
 
 def _compare_layers(fusedbn, device: str, dtypes) -> list:
     g = torch.Generator().manual_seed(0)
+    # every layer with and without the residual and the ReLU; then, after all of those (so their data
+    # stay as they were), every layer's output forked: two gradients, which the backward adds itself
+    cases = [(name, shape, residual_on, relu, False) for name in dtypes for shape in LAYERS
+             for residual_on, relu in ((False, True), (True, True), (False, False))]
+    cases += [(name, shape, True, True, True) for name in dtypes for shape in LAYERS]
     rows = []
-    for name in dtypes:
+    for name, (n, c, h, w), residual_on, relu, fork in cases:
         dtype = getattr(torch, name)
-        for n, c, h, w in LAYERS:
-            for residual_on, relu in ((False, True), (True, True), (False, False)):
-                a, b = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
-                with torch.no_grad():
-                    # drawn on the CPU (the generator's device) and copied, so a GPU run tests the same values
-                    a.weight.copy_(torch.empty(c).uniform_(0.5, 1.5, generator=g))
-                    a.bias.copy_(torch.empty(c).uniform_(-0.5, 0.5, generator=g))
-                b.load_state_dict(a.state_dict())
-                offsets = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) * 1.5  # per image
-                x = (torch.randn(n, c, h, w, generator=g) * 2 + 1 + offsets).to(device, dtype)
-                x = x.contiguous(memory_format=torch.channels_last)
-                r = torch.randn(n, c, h, w, generator=g).to(device, dtype).contiguous(memory_format=torch.channels_last)
-                xa, xb = x.clone().requires_grad_(True), x.double().requires_grad_(True)
-                ra = r.clone().requires_grad_(True) if residual_on else None
-                rb = r.double().requires_grad_(True) if residual_on else None
-                ya = fusedbn.bn_act(xa, a, ra, relu)
-                yb, zb = _reference(xb, b, rb, relu)
-                grad = torch.randn(ya.shape, generator=g).to(device, dtype)
-                ya.backward(grad)
-                yb.backward(grad.double())
-                pairs = [(ya, yb), (xa.grad, xb.grad), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad),
-                         (a.running_mean, b.running_mean), (a.running_var, b.running_var)]
-                if residual_on:
-                    pairs.append((ra.grad, rb.grad))
-                err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
-                parts = fusedbn._layout(n * h * w, c, torch.device(device))[3]
-                rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu}",
-                             "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
-                             "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
-                             "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
-                             "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
-                             "layout": ya.is_contiguous(memory_format=torch.channels_last)
-                             and xa.grad.is_contiguous(memory_format=torch.channels_last)})
+        a, b = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
+        with torch.no_grad():
+            # drawn on the CPU (the generator's device) and copied, so a GPU run tests the same values
+            a.weight.copy_(torch.empty(c).uniform_(0.5, 1.5, generator=g))
+            a.bias.copy_(torch.empty(c).uniform_(-0.5, 0.5, generator=g))
+        b.load_state_dict(a.state_dict())
+        offsets = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) * 1.5  # per image
+        x = (torch.randn(n, c, h, w, generator=g) * 2 + 1 + offsets).to(device, dtype)
+        x = x.contiguous(memory_format=torch.channels_last)
+        r = torch.randn(n, c, h, w, generator=g).to(device, dtype).contiguous(memory_format=torch.channels_last)
+        xa, xb = x.clone().requires_grad_(True), x.double().requires_grad_(True)
+        ra = r.clone().requires_grad_(True) if residual_on else None
+        rb = r.double().requires_grad_(True) if residual_on else None
+        ya = fusedbn.bn_act(xa, a, ra, relu, fork=fork)
+        yb, zb = _reference(xb, b, rb, relu)
+        grad = torch.randn(yb.shape, generator=g).to(device, dtype)
+        if fork:
+            grad2 = torch.randn(yb.shape, generator=g).to(device, dtype)
+            same = ya[0].data_ptr() == ya[1].data_ptr()  # one tensor twice, not a copy
+            torch.autograd.backward(ya, (grad, grad2))
+            yb.backward(grad.double() + grad2.double())
+            ya = ya[0]
+        else:
+            same = True
+            ya.backward(grad)
+            yb.backward(grad.double())
+        pairs = [(ya, yb), (xa.grad, xb.grad), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad),
+                 (a.running_mean, b.running_mean), (a.running_var, b.running_var)]
+        if residual_on:
+            pairs.append((ra.grad, rb.grad))
+        err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
+        parts = fusedbn._layout(n * h * w, c, torch.device(device))[3]
+        rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu} fork={fork}",
+                     "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
+                     "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
+                     "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
+                     "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
+                     "layout": same and ya.is_contiguous(memory_format=torch.channels_last)
+                     and xa.grad.is_contiguous(memory_format=torch.channels_last)})
     return rows
 
 
@@ -107,15 +118,37 @@ def _check_layers(rows: list, several_parts: bool = True) -> None:
     assert not bad, bad
 
 
+class _TwoGradientCount:
+    """Counts the BatchNorm backward passes that were handed a forked output's two gradients apart
+    (fusedbn.gradient_sums with ``dy2``), eager or inside a compiled graph that runs the ops' kernels."""
+
+    def __init__(self, fusedbn):
+        self.fusedbn, self.inner, self.forked, self.calls = fusedbn, fusedbn.gradient_sums, 0, 0
+
+    def __enter__(self):
+        def counting(*args, **kwargs):
+            self.calls += 1
+            self.forked += (args[8] if len(args) > 8 else kwargs.get("dy2")) is not None
+            return self.inner(*args, **kwargs)
+        self.fusedbn.gradient_sums = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.fusedbn.gradient_sums = self.inner
+
+
 def compare_models(device: str = "cpu") -> dict:
     """One training step of a fused and a plain torchvision ResNet (BasicBlock: resnet18;
     Bottleneck with downsampling: a [1, 1, 1, 1] ResNet) in float32 from the same weights and
     input, each against the plain model in float64: the worst relative error over the logits,
     every gradient and every buffer, of the fused model and of torch's own float32 modules.
     (Against float32 torch alone the comparison can mislead: on some inputs torch's CPU
-    BatchNorm backward is itself percents off the float64 gradient where the kernels are not.)"""
+    BatchNorm backward is itself percents off the float64 gradient where the kernels are not.)
+    Also how many of the fused model's BatchNorm backward passes took two gradients apart (every
+    block's output but the last is read by the next block's convolution and its shortcut)."""
     from torchvision.models.resnet import Bottleneck, ResNet
 
+    from imagenet import fusedbn
     from imagenet.fusedbn import fuse_resnet
     out = {}
     for name, make in (("resnet18", lambda: create_model("resnet18", 10)),
@@ -129,7 +162,9 @@ def compare_models(device: str = "cpu") -> dict:
         # 64 px and 4 images: the last BatchNorms see 16 values a channel (2 at 32 px and 2 images)
         x = torch.randn(4, 3, 64, 64, device=device).contiguous(memory_format=torch.channels_last)
         outputs = [m(x if m is not exact else x.double()) for m in (fused, plain, exact)]
-        for y in outputs:
+        with _TwoGradientCount(fusedbn) as count:
+            outputs[0].square().mean().backward()
+        for y in outputs[1:]:
             y.square().mean().backward()
 
         def error(m, y) -> float:
@@ -140,7 +175,9 @@ def compare_models(device: str = "cpu") -> dict:
                 errs.append(float((p.double() - q.double()).abs().max() / (q.double().abs().max() + 1e-12)))
             return max(errs)
         out[name] = {"err": error(fused, outputs[0]), "torch_err": error(plain, outputs[1]),
-                     "same_keys": list(fused.state_dict()) == list(plain.state_dict()), "fused": has_fused_bn(fused)}
+                     "same_keys": list(fused.state_dict()) == list(plain.state_dict()), "fused": has_fused_bn(fused),
+                     "two_gradients": count.forked,
+                     "blocks": sum(len(layer) for layer in (fused.layer1, fused.layer2, fused.layer3, fused.layer4))}
     return out
 
 
@@ -163,6 +200,7 @@ def test_a_fused_resnet_trains_as_torchvisions_under_the_interpreter():
     pytest.importorskip("triton")
     for name, r in _interpreted("print(json.dumps(t.compare_models()))").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-4, (name, r)
+        assert r["two_gradients"] == r["blocks"] - 1, (name, r)
 
 
 def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None, steps: int = 1) -> dict:
@@ -173,8 +211,11 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     graphs. Under reduce-overhead the first step warms up, the second records the graphs and the
     third replays them, and each parameter's gradient is copied out of the graph's memory after
     every pass (torch's own accumulation over replays reads memory the next replay overwrote:
-    the trainer refuses --accum-steps under CUDA graphs)."""
+    the trainer refuses --accum-steps under CUDA graphs). Also the compiled backward passes' count of
+    BatchNorm backwards, and of those handed a forked output's two gradients apart (a replayed CUDA
+    graph runs no Python, so counts none)."""
     from torch._dynamo.utils import counters
+    from imagenet import fusedbn
     from imagenet.fusedbn import fuse_resnet
     torch.manual_seed(0)
     eager = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
@@ -191,9 +232,10 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     skips = counters["inductor"]["cudagraph_skips"]
     outputs = []
     for m in (eager, compiled):
-        for _ in range(steps):
-            y = m(x)
-            y.square().mean().backward()
+        with _TwoGradientCount(fusedbn) as count:
+            for _ in range(steps):
+                y = m(x)
+                y.square().mean().backward()
         outputs.append(y.detach().clone())  # a CUDA graph's output is overwritten by its next replay
     errs = [float((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max())]
     for p, q in zip(model.parameters(), eager.parameters()):
@@ -201,7 +243,15 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     for p, q in zip(model.buffers(), eager.buffers()):
         errs.append(float((p.double() - q.double()).abs().max() / (q.double().abs().max() + 1e-12)))
     return {"err": max(errs), "ops": sorted(set(calls)),
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips}
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
+            "bn_backwards": count.calls, "two_gradients": count.forked,
+            "layers": sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
+            "blocks": sum(len(layer) for layer in (model.layer1, model.layer2, model.layer3, model.layer4))}
+
+
+def _check_two_gradients(r: dict) -> None:
+    """Every pass that ran the backward's Python handed each block's output but the last its two gradients apart."""
+    assert r["two_gradients"] > 0 and r["two_gradients"] * r["layers"] == r["bn_backwards"] * (r["blocks"] - 1), r
 
 
 def _counting(calls: list):
@@ -219,6 +269,7 @@ def test_the_kernels_inside_torch_compile_under_the_interpreter():
     pytest.importorskip("triton")
     r = _interpreted("print(json.dumps(t.compare_compiled()))")
     assert r["err"] < 1e-5 and r["ops"] == ["imagenet.bn_act.default", "imagenet.bn_stats.default"], r
+    _check_two_gradients(r)
 
 
 def test_without_the_kernels_a_fused_model_is_torchvisions():
@@ -368,12 +419,14 @@ def test_the_kernels_inside_inductor_give_the_eager_results(mode, no_tf32):
     r = compare_compiled("cuda", "inductor", mode, steps=3)
     assert r["cudagraph_skips"] == 0, r
     assert r["err"] < 1e-3 and r["ops"] == ["imagenet.bn_act.default", "imagenet.bn_stats.default"], r
+    _check_two_gradients(r)
 
 
 @gpu
 def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(no_tf32):
     for name, r in compare_models("cuda").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-3, (name, r)
+        assert r["two_gradients"] == r["blocks"] - 1, (name, r)
 
 
 @gpu
