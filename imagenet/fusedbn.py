@@ -495,7 +495,10 @@ class _ForkedBnAct(torch.autograd.Function):
     would sum their two gradients in a pass of its own (read two, write one) before the backward
     read the sum twice; apart, the backward's kernels add them in float32 as they load them: one
     pass over the tensor fewer. The arithmetic is bn_act_op's; only that sum is no longer rounded
-    to the activations' dtype first. (A custom op may not return aliases, hence a Function.)"""
+    to the activations' dtype first. (A custom op may not return aliases, hence a Function.)
+    Autograd hands an unused output's gradient in as zeros: right, one read dearer. Neither output
+    may be changed in place (autograd refuses it: one is a view of the other); the fused blocks
+    never do."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, mean, invstd, relu):
@@ -505,8 +508,6 @@ class _ForkedBnAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dy2):
-        if dy is None or dy2 is None:  # one of the two reads had no gradient
-            dy, dy2 = (dy if dy is not None else dy2), None
         return _backward_rule(ctx, dy, dy2)
 
 
@@ -580,15 +581,18 @@ class FusedResNet(ResNet):
 def fuse_resnet(model: nn.Module) -> nn.Module:
     """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
     place: every module, parameter and buffer keeps its name, so the state dict is unchanged. In a
-    whole ResNet every block but the last forks its output (the next block reads it twice)."""
+    whole ResNet every block but the last forks its output (the next block reads it twice), so
+    a layer's output (layer1-layer3, or a block's) is a pair of one tensor: (output, a view of it)."""
     swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
     for module in model.modules():
         if type(module) in swaps:
             module.__class__ = swaps[type(module)]
     if isinstance(model, FusedResNet):  # its blocks run one after another: layer1's first .. layer4's last
         blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
-        for block in blocks[:-1]:
-            block.fork_output = True
+        fused = (FusedBasicBlock, FusedBottleneck)
+        for block, following in zip(blocks, blocks[1:]):  # a pair only for a block that takes one
+            if isinstance(block, fused):
+                block.fork_output = isinstance(following, fused)
     return model
 
 

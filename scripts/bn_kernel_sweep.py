@@ -38,7 +38,9 @@ POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), 
 
 
 def resnet50_layers(batch: int) -> list:
-    """(N, C, H, W, relu, residual) of every BatchNorm of a ResNet-50 step at 224 px, in order."""
+    """(N, C, H, W, relu, residual, forked) of every BatchNorm of a ResNet-50 step at 224 px, in
+    order; forked: the backward takes two gradients (a block's last BatchNorm where another block
+    follows, as fusedbn.fuse_resnet forks them)."""
     model = torchvision.models.resnet50()
     shapes = {}
 
@@ -48,27 +50,30 @@ def resnet50_layers(batch: int) -> list:
         bn.register_forward_hook(record)
     with torch.no_grad():
         model(torch.randn(1, 3, 224, 224))
-    roles = {model.bn1: (True, False)}
-    for block in (m for m in model.modules() if isinstance(m, Bottleneck)):
-        roles.update({block.bn1: (True, False), block.bn2: (True, False), block.bn3: (True, True)})
+    roles = {model.bn1: (True, False, False)}
+    blocks = [m for m in model.modules() if isinstance(m, Bottleneck)]
+    for k, block in enumerate(blocks):
+        roles.update({block.bn1: (True, False, False), block.bn2: (True, False, False),
+                      block.bn3: (True, True, k < len(blocks) - 1)})
         if block.downsample is not None:
-            roles[block.downsample[1]] = (False, False)
+            roles[block.downsample[1]] = (False, False, False)
     return [(batch, *shapes[bn], *roles[bn]) for bn in roles]
 
 
 def make_tensors(layers: list, device) -> list:
     out = []
-    for n, c, h, w, relu, res in layers:
+    for n, c, h, w, relu, res, forked in layers:
         def act():
             return torch.randn(n, c, h, w, device=device, dtype=torch.float16).contiguous(
                 memory_format=torch.channels_last)
-        t = {"x": act(), "r": act() if res else None, "dy": act(), "relu": relu,
+        t = {"x": act(), "r": act() if res else None, "dy": act(), "dy2": act() if forked else None, "relu": relu,
              "w": torch.rand(c, device=device) + 0.5, "b": torch.randn(c, device=device) * 0.1,
              "rm": torch.zeros(c, device=device), "rv": torch.ones(c, device=device)}
         t["mean"], t["invstd"] = fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
         t["mask"] = fusedbn._mask_kind(relu, res)
         t["y"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu)
-        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["y"], t["mean"], t["invstd"], t["w"], t["b"], t["mask"])
+        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["y"], t["mean"], t["invstd"], t["w"], t["b"], t["mask"],
+                                          t["dy2"])
         out.append(t)
     return out
 
@@ -80,17 +85,19 @@ def phase_call(phase: str, t: dict):
     if phase == "apply":
         return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"])
     if phase == "grad":
-        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], t["mask"])
+        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], t["mask"],
+                                             t["dy2"])
     sg, sgx = t["sums"][:2]
     return lambda: fusedbn.input_gradients(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
-                                           t["mask"], t["r"] is not None)
+                                           t["mask"], t["r"] is not None, t["dy2"])
 
 
 def phase_bytes(phase: str, t: dict) -> int:
     """Bytes the phase must move for one layer (2 a value: fp16 activations)."""
+    two = t["dy2"] is not None  # a forked output's second gradient, read by both backward phases
     passes = {"stats": 1, "apply": 2 + (t["r"] is not None),
-              "grad": 2 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT),
-              "grad_input": 3 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + (t["r"] is not None)}[phase]
+              "grad": 2 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + two,
+              "grad_input": 3 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + (t["r"] is not None) + two}[phase]
     return passes * t["x"].numel() * 2
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,3 +120,21 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
     assert sweep.resident(128, 65536, 4) == 3  # 228 KB / 65 KB
     assert sweep.resident(32, 0, 16) == 4  # at most 64 warps
     assert sweep.resident(None, None, 4) is None
+
+
+def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
+    """Every BatchNorm of ResNet-50 once, in order; the residual BatchNorms of all blocks but the
+    last take two gradients (fusedbn.fuse_resnet forks those outputs), and count one pass more."""
+    pytest.importorskip("triton")
+    sweep = _load("bn_kernel_sweep")
+    from imagenet import fusedbn
+    layers = sweep.resnet50_layers(2)
+    assert len(layers) == 53
+    forked = [layer for layer in layers if layer[6]]
+    assert len(forked) == 15 and all(relu and res for _, _, _, _, relu, res, _ in forked)
+    assert not layers[-1][6] and layers[-1][5]  # the last block's output feeds the pooling alone
+    x = torch.empty(2, 8, 4, 4)
+    one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_OUTPUT}
+    two = dict(one, dy2=x)
+    for phase in ("grad", "grad_input"):
+        assert sweep.phase_bytes(phase, two) - sweep.phase_bytes(phase, one) == x.numel() * 2
