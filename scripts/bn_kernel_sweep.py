@@ -39,9 +39,9 @@ POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), 
 
 def resnet50_layers(batch: int) -> list:
     """(N, C, H, W, relu, residual, forked) of every BatchNorm of a ResNet-50 step at 224 px, in
-    order; forked: the backward takes two gradients (a block's last BatchNorm where another block
-    follows, as fusedbn.fuse_resnet forks them)."""
-    model = torchvision.models.resnet50()
+    order; forked: the backward takes two gradients (a block's last BatchNorm whose output
+    fusedbn.fuse_resnet forks). The fused model runs torch's modules here (no kernels on the CPU)."""
+    model = fusedbn.fuse_resnet(torchvision.models.resnet50())
     shapes = {}
 
     def record(module, _inputs, output) -> None:  # a hook returning a value would replace the output
@@ -51,10 +51,9 @@ def resnet50_layers(batch: int) -> list:
     with torch.no_grad():
         model(torch.randn(1, 3, 224, 224))
     roles = {model.bn1: (True, False, False)}
-    blocks = [m for m in model.modules() if isinstance(m, Bottleneck)]
-    for k, block in enumerate(blocks):
+    for block in (m for m in model.modules() if isinstance(m, Bottleneck)):
         roles.update({block.bn1: (True, False, False), block.bn2: (True, False, False),
-                      block.bn3: (True, True, k < len(blocks) - 1)})
+                      block.bn3: (True, True, block.fork_output)})
         if block.downsample is not None:
             roles[block.downsample[1]] = (False, False, False)
     return [(batch, *shapes[bn], *roles[bn]) for bn in roles]
