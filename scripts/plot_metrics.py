@@ -4,7 +4,7 @@
     python scripts/plot_metrics.py OUTPUT_DIR [OUTPUT_DIR ...] [--out FILE.png] [--title T]
 
 Each OUTPUT_DIR is a trainer ``--output-dir`` holding ``metrics.jsonl`` (one JSON object per epoch,
-written by ``imagenet.runlog``). The figure is a grid of panels: loss (train dashed, val solid),
+written by ``imagenet.training.runlog``). The figure is a grid of panels: loss (train dashed, val solid),
 Acc@1 (train dashed, val solid, the best val epoch starred), learning rate, training img/s, loss
 scale (log y; "no loss scaling" when a run has none) and skipped steps/images per epoch. Several
 dirs overlay as lines of their own colour, labelled with the dir name, so runs can be compared

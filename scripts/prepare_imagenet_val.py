@@ -31,7 +31,7 @@ from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Dict, List, Optional  # noqa: E402
 
-from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from imagenet.base.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 FORMATS = ("kaggle", "pairs", "wnids", "devkit")
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
-from imagenet import prepare
-from imagenet.errors import UserError
+from imagenet.base.errors import UserError
+from imagenet.data import prepare
 
 SIZE = 28
 
@@ -113,7 +113,7 @@ def photo(h: int, w: int, seed: int) -> Image.Image:
 
 def garbage_job(path: str = "garbage.JPEG"):
     """A --decode gpu job whose header passed the worker's check, then bytes no decoder can read."""
-    from imagenet.gpudecode import JpegJob
+    from imagenet.data.gpudecode import JpegJob
     return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32)
 
 
@@ -146,8 +146,8 @@ def epoch_of(model, loader, optimizer, scheduler, precision, ctx, opts, criterio
     """``engine.train_one_epoch`` over ``loader`` with a training state of these parts (the
     loss: cross entropy unless ``criterion``); ``progress``: Progress fields (epoch, step, sums)."""
     import torch.nn as nn
-    from imagenet.engine import train_one_epoch
-    from imagenet.state import Progress, TrainState
+    from imagenet.training.engine import train_one_epoch
+    from imagenet.training.state import Progress, TrainState
     criterion = criterion or nn.CrossEntropyLoss()
     state = TrainState(model, optimizer, scheduler, precision, criterion, criterion)
     return train_one_epoch(state=state, progress=Progress(**progress), loader=loader, ctx=ctx, opts=opts)
@@ -202,7 +202,7 @@ def fused_or_skip(groups, lr=0.1, wd=1e-4):
     """Fused SGD (momentum 0.9) over ``groups`` on the CPU, or skip the test where torch has none."""
     import pytest
     import torch
-    from imagenet.optim import build_optimizer
+    from imagenet.precision.optim import build_optimizer
     try:
         return build_optimizer(groups, lr, 0.9, wd, "fused", torch.device("cpu"))
     except Exception as e:  # an older torch without fused SGD on the CPU

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet import engine
-from imagenet.distributed import DistContext
-from imagenet.engine import LoopOptions
-from imagenet.optim import build_optimizer
+from imagenet.cli import main
+from imagenet.parallel.distributed import DistContext
 from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
-from imagenet.runner import main
+from imagenet.precision.optim import build_optimizer
+from imagenet.training import engine
+from imagenet.training.engine import LoopOptions
 from tests.helpers import assert_same_run, epoch_of
 from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
@@ -106,7 +106,7 @@ def test_mid_epoch_checkpoints_fall_between_optimizer_steps(digits, tmp_path, mo
             if done == 6:
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.runner.train_one_epoch", crash)
+    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash)
     # every 2 optimizer steps = every 4 loader batches: a save at 4 only (counting loader batches
     # would save at 2, 4 and 6)
     assert main(args(digits, tmp_path, "-j", "0", "--accum-steps", "2", "--save-every-steps", "2")) == 130
@@ -131,7 +131,7 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
     out = epoch_of(model, loader, opt, sched, Precision(), CPU,
                    LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
     assert out.steps == 2
-    from imagenet.errors import UserError
+    from imagenet.base.errors import UserError
     with pytest.raises(UserError, match="NaN/inf for 4 steps"):
         epoch_of(net(), loader, opt, sched, Precision(), CPU,
                  LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
@@ -149,6 +149,6 @@ def test_accumulation_under_cuda_graphs_is_refused(mode, capsys):
 
 
 def test_accumulation_without_cuda_graphs_and_cuda_graphs_without_accumulation_are_accepted():
-    from imagenet.config import Config, validate
+    from imagenet.base.config import Config, validate
     validate(Config(arch="resnet18", accum_steps=2, compile="default"))
     validate(Config(arch="resnet18", accum_steps=1, compile="reduce-overhead"))

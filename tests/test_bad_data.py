@@ -24,10 +24,11 @@ import torch
 from PIL import Image
 from torchvision.datasets.folder import default_loader
 
-from imagenet.config import Config
-from imagenet.data import (IMAGENET_MEAN, IMAGENET_STD, SafeImageFolder, build_datasets, train_transform,
-                           val_transform)
-from imagenet.decode import TrainDecoder, ValDecoder, path_identity
+from imagenet.base.config import Config
+from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
+from imagenet.data.folder import SafeImageFolder
+from imagenet.data.loaders import build_datasets
+from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD, train_transform, val_transform
 from tests.helpers import scratch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
-"""Tests for checkpoints (imagenet/checkpoint.py) and their use by the runner: save, safe load, resume.
+"""Tests for checkpoints (imagenet/base/checkpoint.py) and their use by the runner: save, safe load, resume.
 
-Everything runs in-process through ``imagenet.runner.main`` on a tiny ImageFolder of
+Everything runs in-process through ``imagenet.training.runner.main`` on a tiny ImageFolder of
 rendered digits (tests/helpers.py), 10 classes x 8 train / 2 val images, 16 px, ResNet-18,
 batch 8 (10 steps per epoch). Runs that several tests read are module-scoped fixtures.
 """
@@ -28,10 +28,10 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # no install step: the tests import the package from the checkout
-from imagenet import checkpoint as ckpt_io  # noqa: E402
-from imagenet import runner  # noqa: E402
-from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
-from imagenet.runner import main  # noqa: E402
+from imagenet.base import checkpoint as ckpt_io  # noqa: E402
+from imagenet.base.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from imagenet.cli import main  # noqa: E402
+from imagenet.training import runner  # noqa: E402
 from tests.helpers import make_digits, scratch  # noqa: E402
 
 TRAIN_PER_CLASS, VAL_PER_CLASS, NUM_CLASSES = 8, 2, 10
@@ -637,7 +637,7 @@ def test_evaluate_validates_and_writes_nothing(base_run, data_root, tmp_path, fl
 
 
 def test_evaluate_returns_the_validation_summary(base_run, data_root, tmp_path, val_size):
-    from imagenet.config import parse_config
+    from imagenet.base.config import parse_config
     cfg = parse_config(trainer_args(data_root, tmp_path / "out", "-e", "--resume", base_run.dir / CKPT))
     with contextlib.redirect_stdout(io.StringIO()):
         result = runner.run(cfg)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagenet import checkpoint as ckpt_io
-from imagenet.errors import UserError
-from imagenet.runner import main
+from imagenet.base import checkpoint as ckpt_io
+from imagenet.base.errors import UserError
+from imagenet.cli import main
 from tests.helpers import digits_fixture
 
 CKPT, PREV = ckpt_io.CHECKPOINT, ckpt_io.PREVIOUS

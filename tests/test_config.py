@@ -1,4 +1,4 @@
-"""Tests for the typed configuration (imagenet/config.py) and the CLI's one-line errors."""
+"""Tests for the typed configuration (imagenet/base/config.py) and the CLI's one-line errors."""
 
 import os
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from imagenet.config import parse_config, static_loss_scale
-from imagenet.errors import UserError
+from imagenet.base.config import parse_config, static_loss_scale
+from imagenet.base.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 

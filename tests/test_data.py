@@ -1,4 +1,4 @@
-"""Tests for datasets, layout checks, the bad-file policy, samplers and loaders (imagenet/data.py)."""
+"""Tests for datasets, layout checks, the bad-file policy, samplers and loaders (imagenet/data/)."""
 
 import dataclasses
 import io
@@ -16,11 +16,13 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
-from imagenet.data import (DataBundle, SafeImageFolder, ShardSampler, SyntheticDataset, build_datasets,
-                           build_loaders, check_layout, collate_skipping, per_process_batch)
-from imagenet.config import Config
-from imagenet.distributed import DistContext
-from imagenet.errors import UserError
+from imagenet.base.config import Config
+from imagenet.base.errors import UserError
+from imagenet.data.folder import SafeImageFolder, check_layout
+from imagenet.data.loaders import DataBundle, build_datasets, build_loaders, collate_skipping, per_process_batch
+from imagenet.data.samplers import ShardSampler
+from imagenet.data.synthetic import SyntheticDataset
+from imagenet.parallel.distributed import DistContext
 from tests.helpers import scratch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -313,7 +315,7 @@ class _Images(torch.utils.data.Dataset):
 def test_dummy_batches_are_made_once_on_the_device_and_never_pass_through_workers(monkeypatch):
     def no_workers(*args, **kwargs):
         raise AssertionError("--dummy made a DataLoader")
-    monkeypatch.setattr("imagenet.data.DataLoader", no_workers)
+    monkeypatch.setattr("imagenet.data.loaders.DataLoader", no_workers)
     train, val = build_loaders(_cfg(batch_size=4, workers=2), _bundle(10, 5), _ctx(), seed=0)
     batches = list(train)
     assert len(train) == len(batches) == 2  # the partial last training batch is dropped, as with files

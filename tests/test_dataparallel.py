@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.dataparallel import DataParallel, ReplicaWorkers
+from imagenet.parallel.dataparallel import DataParallel, ReplicaWorkers
 
 
 def test_each_slot_always_runs_on_its_own_thread():
@@ -98,7 +98,7 @@ def _fake_broadcast(tensors, devices, detach):
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
-    import imagenet.dataparallel as dp
+    import imagenet.parallel.dataparallel as dp
     torch_replicate = sys.modules["torch.nn.parallel.replicate"]  # the module, not the function
     monkeypatch.setattr(torch_replicate, "_broadcast_coalesced_reshape", _fake_broadcast)
     monkeypatch.setattr(dp, "_broadcast_coalesced_reshape", _fake_broadcast)

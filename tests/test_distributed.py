@@ -23,7 +23,7 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from imagenet.distributed import free_port  # noqa: E402
+from imagenet.parallel.distributed import free_port  # noqa: E402
 from tests.helpers import make_digits  # noqa: E402
 
 PER_CLASS = 4  # -> 40 train images (5 global batches of 8), 40 val images before one is removed
@@ -176,13 +176,15 @@ import torch.nn as nn
 from torchvision import transforms
 
 sys.path.insert(0, sys.argv[1])
-from imagenet import distributed
-from imagenet.config import parse_config
-from imagenet.data import DataBundle, SafeImageFolder, build_loaders, IMAGENET_MEAN, IMAGENET_STD
-from imagenet.engine import LoopOptions, train_one_epoch
-from imagenet.models import create_model
+from imagenet.parallel import distributed
+from imagenet.base.config import parse_config
+from imagenet.data.loaders import DataBundle, build_loaders
+from imagenet.data.folder import SafeImageFolder
+from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from imagenet.training.engine import LoopOptions, train_one_epoch
+from imagenet.models.registry import create_model
 from imagenet.precision import build_precision
-from imagenet.state import Progress, TrainState
+from imagenet.training.state import Progress, TrainState
 
 data_dir, out_path, steps = sys.argv[2], sys.argv[3], int(sys.argv[4])  # argv[5]: lr
 cfg = parse_config([data_dir, "-a", "resnet18", "-b", "8", "-j", "0", "--lr", sys.argv[5],
@@ -483,7 +485,7 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     DistributedSampler, seed and epoch as data.build_loaders), so that rank has nothing to train
     on at step 0 while rank 0 has a full batch."""
     from torch.utils.data.distributed import DistributedSampler
-    from imagenet.data import SafeImageFolder
+    from imagenet.data.folder import SafeImageFolder
 
     root = tmp_path / "data"
     shutil.copytree(dataset["root"], root)
@@ -523,9 +525,9 @@ def test_two_rank_checkpoint_resumes_in_one_process(dataset, tmp_path):
 # ------------------------------------------- 9. the environments that select DDP
 
 def test_launch_environments_are_read_like_torchrun_and_slurm():
-    from imagenet.config import Config
-    from imagenet.distributed import distributed_env
-    from imagenet.errors import UserError
+    from imagenet.base.config import Config
+    from imagenet.parallel.distributed import distributed_env
+    from imagenet.base.errors import UserError
     cfg = Config()
     assert distributed_env(cfg, {}) is None
     assert distributed_env(cfg, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # a plain sbatch job

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torchvision
 
-from imagenet.ema import ModelEma
+from imagenet.cli import main
 from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
-from imagenet.runner import main
+from imagenet.training.ema import ModelEma
 from tests.helpers import batches, small_net, tiny_run_args, train_steps
 
 

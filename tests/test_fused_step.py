@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.ema import ModelEma
-from imagenet.optim import build_optimizer, load_optimizer_state, resolve_impl, supports_found_inf
 from imagenet.precision import AutocastPrecision, LossScaler, MasterWeightPrecision
+from imagenet.precision.optim import build_optimizer, load_optimizer_state, resolve_impl, supports_found_inf
+from imagenet.training.ema import ModelEma
 from tests.helpers import batches, fused_or_skip, small_net
 
 CPU = torch.device("cpu")
@@ -195,9 +195,9 @@ def test_auto_falls_back_to_foreach_where_fused_sgd_is_missing(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(torch.optim, "SGD", no_fused)
-    monkeypatch.setattr("imagenet.optim.resolve_impl", lambda impl, device: "fused" if impl == "auto" else impl)
+    monkeypatch.setattr("imagenet.precision.optim.resolve_impl", lambda impl, device: "fused" if impl == "auto" else impl)
     opt = build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], 0.1, 0.9, 0.0, "auto", CPU)
     assert not supports_found_inf(opt) and opt.param_groups[0]["foreach"]
-    from imagenet.errors import UserError
+    from imagenet.base.errors import UserError
     with pytest.raises(UserError, match="--optimizer-impl fused cannot run"):
         build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], 0.1, 0.9, 0.0, "fused", CPU)

@@ -1,4 +1,4 @@
-"""The fused BatchNorm + add + ReLU kernels (imagenet/fusedbn.py, --bn-kernel triton) against torch's modules.
+"""The fused BatchNorm + add + ReLU kernels (imagenet/kernels/fusedbn.py, --bn-kernel triton) against torch's modules.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined), a layer at a time, in a whole ResNet, and
@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from imagenet.errors import UserError
-from imagenet.models import create_model, has_fused_bn, use_bn_kernels
+from imagenet.base.errors import UserError
+from imagenet.models.registry import create_model, has_fused_bn, use_bn_kernels
 from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=
     a step of the finishing kernels, so that tiles of partial results are combined too (each
     image offset by its own mean, so the tiles' means differ); None: as many as the GPU's size
     asks for, combined FINISH_P at a time."""
-    from imagenet import fusedbn
+    from imagenet.kernels import fusedbn
     before = fusedbn.PARTIALS, fusedbn.FINISH_P
     fusedbn.PARTIALS, fusedbn.FINISH_P = partials, (2 if partials else fusedbn.FINISH_P)
     try:
@@ -148,8 +148,8 @@ def compare_models(device: str = "cpu") -> dict:
     block's output but the last is read by the next block's convolution and its shortcut)."""
     from torchvision.models.resnet import Bottleneck, ResNet
 
-    from imagenet import fusedbn
-    from imagenet.fusedbn import fuse_resnet
+    from imagenet.kernels import fusedbn
+    from imagenet.kernels.fusedbn import fuse_resnet
     out = {}
     for name, make in (("resnet18", lambda: create_model("resnet18", 10)),
                        ("bottleneck", lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10))):
@@ -215,8 +215,8 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     BatchNorm backwards, and of those handed a forked output's two gradients apart (a replayed CUDA
     graph runs no Python, so counts none)."""
     from torch._dynamo.utils import counters
-    from imagenet import fusedbn
-    from imagenet.fusedbn import fuse_resnet
+    from imagenet.kernels import fusedbn
+    from imagenet.kernels.fusedbn import fuse_resnet
     torch.manual_seed(0)
     eager = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
     model = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
@@ -274,7 +274,7 @@ def test_the_kernels_inside_torch_compile_under_the_interpreter():
 
 def test_without_the_kernels_a_fused_model_is_torchvisions():
     # On a CPU without the interpreter every layer takes torch's modules: identical results.
-    from imagenet.fusedbn import fuse_resnet
+    from imagenet.kernels.fusedbn import fuse_resnet
     torch.manual_seed(0)
     plain = create_model("resnet50", 10)
     torch.manual_seed(0)
@@ -297,9 +297,9 @@ def test_which_runs_choose_the_kernels(monkeypatch):
 
 
 def test_launch_settings_from_the_environment(monkeypatch):
-    from imagenet import fusedbn
+    from imagenet.kernels import fusedbn
     monkeypatch.setattr(fusedbn, "LAUNCH", dict(fusedbn.LAUNCH))  # use_bn_kernels updates it in place
-    monkeypatch.setattr("imagenet.models.LAUNCH", fusedbn.LAUNCH)
+    monkeypatch.setattr("imagenet.models.registry.LAUNCH", fusedbn.LAUNCH)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("IMAGENET_BN_LAUNCH", '{"stats": [2048, 8, 2], "apply": [1024, 2, 0], "grad": [4096, 4, 4, 3]}')
     assert use_bn_kernels("triton", torch.device("cpu"))
@@ -380,7 +380,7 @@ def test_compiled_kernels_match_torch_on_the_gpu():
 def test_kernels_match_torch_on_resnet50_sized_layers(shape):
     """ResNet-50's largest layers at batch 256, fp16 with fp32 parameters as --fp16 runs them,
     against torch's BatchNorm + add + ReLU in float32; prints both sides' time per layer."""
-    from imagenet import fusedbn
+    from imagenet.kernels import fusedbn
     torch.manual_seed(0)
     a, b = nn.BatchNorm2d(shape[1]).cuda(), nn.BatchNorm2d(shape[1]).cuda()
     x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)

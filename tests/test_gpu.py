@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA; run on the GPU machine by scripts/gpu_verify.py smoke).
+"""GPU-only checks (skipped without CUDA; run on the GPU machine by scripts/perf/gpu_verify.py smoke).
 
 The heart is the bug this project was born from: an fp16 model replicated by DataParallel must
 compute exactly what it computes on one GPU, with BatchNorm kept in fp32 on every replica.
@@ -11,10 +11,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.dataparallel import DataParallel
-from imagenet.models import create_model
-from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision, configure_tf32,
-                                iter_norm_modules)
+from imagenet.models.registry import create_model
+from imagenet.parallel.dataparallel import DataParallel
+from imagenet.precision import (AutocastPrecision,
+    LossScaler,
+    MasterWeightPrecision,
+    Precision,
+    configure_tf32,
+    iter_norm_modules)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -134,8 +138,8 @@ def test_a_training_step_never_waits_for_the_host(mode):
     """With the default (fused) optimizer the overflow check, the skip, the scale update and the
     weight average stay on the GPU, and fp32's constant flag is no host value either: torch's
     sync debug mode raises on any synchronising call."""
-    from imagenet.ema import ModelEma
-    from imagenet.optim import build_optimizer
+    from imagenet.training.ema import ModelEma
+    from imagenet.precision.optim import build_optimizer
 
     torch.manual_seed(0)
     model = create_model("resnet18", 10, small_stem=True).cuda().to(memory_format=torch.channels_last)
@@ -202,11 +206,11 @@ def test_cached_replicas_train_as_torchs_data_parallel_over_steps_and_modes():
 
 @two_gpus
 def test_persistent_data_parallel_reuses_its_threads_and_trains():
-    """The point of imagenet.dataparallel: each GPU's replica runs on the same thread every step
+    """The point of imagenet.parallel.dataparallel: each GPU's replica runs on the same thread every step
     (cuDNN's plan cache is per thread), through forward and backward, in train mode."""
     import threading
 
-    from imagenet.distributed import DistContext, wrap
+    from imagenet.parallel.distributed import DistContext, wrap
 
     model, prec = _fp16_resnet()
     threads = []
@@ -230,8 +234,8 @@ def test_persistent_data_parallel_reuses_its_threads_and_trains():
 def test_nvjpeg_decode_matches_the_cpu_decode_path(tmp_path):
     """--decode gpu on the GPU: the same JpegJobs decoded by nvJPEG and by the CPU give the same
     crops within rounding (the issue's 'GPU decode path matches the CPU path')."""
-    from imagenet.decode import TrainDecoder, ValDecoder
-    from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
+    from imagenet.data.decode import TrainDecoder, ValDecoder
+    from imagenet.data.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
     from tests.helpers import photo
 
     paths = []
@@ -255,8 +259,8 @@ def test_cuda_graph_compiled_training_follows_eager_training(mode):
     master weights copied into the fp16 model's (static) parameters after every step, with the
     loss scale applied outside the graph and BatchNorm's running statistics mutated inside it,
     six steps must train as the eager model does (same losses and weights within fp16 noise)."""
-    from imagenet.models import compile_model
-    from imagenet.optim import build_optimizer
+    from imagenet.models.registry import compile_model
+    from imagenet.precision.optim import build_optimizer
 
     def net():
         torch.manual_seed(0)
@@ -298,8 +302,8 @@ def test_every_compile_mode_trains_through_main(mode, tmp_path, capsys):
     """Each --compile mode of the help runs end to end (max-autotune died in Inductor on the
     legacy/new TF32 API mix), with fp16 masters and channels_last as a user would."""
     import json
-    from imagenet.config import COMPILE_MODES
-    from imagenet.runner import main
+    from imagenet.base.config import COMPILE_MODES
+    from imagenet.cli import main
     assert mode in COMPILE_MODES
     rc = main(["--dummy", "--dummy-train-size", "96", "--dummy-val-size", "32", "--dummy-classes", "10",
                "-a", "resnet18", "-b", "32", "-j", "0", "--image-size", "32", "--val-resize", "32", "--epochs", "1",

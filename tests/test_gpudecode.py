@@ -7,13 +7,15 @@ import os
 import pytest
 import torch
 
-from imagenet.config import Config, validate
-from imagenet.data import SafeImageFolder, collate_skipping, set_output_size
-from imagenet.decode import TrainDecoder, ValDecoder, path_identity
-from imagenet.errors import UserError
-from imagenet.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
-from imagenet.prefetch import DeviceLoader
-from imagenet.runner import main
+from imagenet.base.config import Config, validate
+from imagenet.base.errors import UserError
+from imagenet.cli import main
+from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
+from imagenet.data.folder import SafeImageFolder
+from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.data.loaders import collate_skipping
+from imagenet.data.prefetch import DeviceLoader
+from imagenet.data.transforms import set_output_size
 from tests.helpers import garbage_job, photo
 
 CPU = torch.device("cpu")
@@ -158,8 +160,8 @@ def test_a_batch_of_fallbacks_only_is_still_counted(files, background):
 def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
     """build_loaders with --decode gpu and 2 worker processes (the decode itself on the CPU here):
     jobs and fallbacks cross process boundaries, every image arrives once, counts add up."""
-    from imagenet.data import build_datasets, build_loaders
-    from imagenet.distributed import DistContext
+    from imagenet.data.loaders import build_datasets, build_loaders
+    from imagenet.parallel.distributed import DistContext
 
     for split, n in (("train", 2), ("val", 1)):
         for c in ("a", "b"):

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 def cases(seed: int, n: int, size: int, device: str):
     """Random CHW uint8 images with train boxes (some flipped) and val resize+crop geometry."""
-    from imagenet.gpudecode import JpegJob
+    from imagenet.data.gpudecode import JpegJob
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -41,7 +41,7 @@ def cases(seed: int, n: int, size: int, device: str):
 
 def compare(seed=0, n=9, size=20, device="cpu") -> dict:
     """Batched kernel vs per-image path on the same rows (one already-decoded 'ready' row too)."""
-    from imagenet.gpudecode import _batched, _per_image
+    from imagenet.data.gpudecode import _batched, _per_image
     full = cases(seed, n, size, device)
     ready = [(n, torch.randint(0, 256, (size, size, 3), dtype=torch.uint8))]
     a, b = _batched(full, ready, torch.device(device)), _per_image(full, ready, torch.device(device))
@@ -64,7 +64,7 @@ def test_kernel_matches_torchs_per_image_resize_under_the_interpreter():
 
 
 def test_the_table_follows_the_boxes():
-    from imagenet import gpugeometry as G
+    from imagenet.kernels import gpugeometry as G
     s = G.Sampling.train((10, 20, 100, 50), 25)
     assert (s.top, s.left, s.region_h, s.region_w, s.scale_y, s.scale_x) == (10, 20, 100, 50, 4.0, 2.0)
     v = G.Sampling.val(300, 400, (16, 37, 256, 341))  # resize to 341x256, centre crop 224 at (16, 37)
@@ -90,9 +90,9 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
     """Real JPEGs through decode_batch on the GPU (nvJPEG, then the kernel), beside a PNG, a
     CMYK JPEG and an unreadable file: each image once, in order; the kernel's pixels are the
     per-image path's (one level), and PIL's within what nvJPEG's own decode allows."""
-    from imagenet import gpugeometry
-    from imagenet.decode import TrainDecoder, ValDecoder
-    from imagenet.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
+    from imagenet.kernels import gpugeometry
+    from imagenet.data.decode import TrainDecoder, ValDecoder
+    from imagenet.data.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
     from tests.helpers import garbage_job, photo
     paths = []
     for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 250), (97, 131), (64, 64)]):

@@ -1,4 +1,4 @@
-"""The stem max-pool's Triton kernels (imagenet/maxpool.py, --maxpool-kernel) against torch's max-pool.
+"""The stem max-pool's Triton kernels (imagenet/kernels/maxpool.py, --maxpool-kernel) against torch's max-pool.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined); on a GPU, compiled, also inside torch.compile,
@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from imagenet.errors import UserError
-from imagenet.maxpool import StemMaxPool, is_stem_pool
-from imagenet.models import create_model, use_stem_kernels, has_stem_kernels
+from imagenet.base.errors import UserError
+from imagenet.kernels.maxpool import StemMaxPool, is_stem_pool
+from imagenet.models.registry import create_model, use_stem_kernels, has_stem_kernels
 from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ SHAPES = [(2, 5, 7, 8), (1, 70, 9, 6), (2, 3, 1, 2), (1, 2, 2, 1)]  # odd/even s
 def compare(device: str = "cpu", dtypes=("float32", "float16")) -> list:
     """Kernel vs F.max_pool2d on few-valued inputs (many ties), a NaN, integer gradients (exact
     sums) and a gradient that is not channels_last: forward, backward and layout, per case."""
-    from imagenet import maxpool
+    from imagenet.kernels import maxpool
     g = torch.Generator().manual_seed(0)
     out = []
     for name in dtypes:

@@ -5,8 +5,8 @@ import re
 from pathlib import Path
 
 
-from imagenet.metrics import EPOCH_KEYS, EpochRecord
-from imagenet.runner import main
+from imagenet.base.metrics import EPOCH_KEYS, EpochRecord
+from imagenet.cli import main
 from tests.helpers import digits_fixture
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -51,8 +51,8 @@ def test_optional_keys_are_left_out_when_the_run_has_none():
 
 
 def test_summary_counts_the_epochs_that_ran_under_prof(digits, tmp_path):
-    from imagenet.config import parse_config
-    from imagenet.runner import run as run_cfg
+    from imagenet.base.config import parse_config
+    from imagenet.training.runner import run as run_cfg
     summary = run_cfg(parse_config([digits, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16",
                                     "--val-resize", "16", "--epochs", "5", "--prof", "2",
                                     "--output-dir", str(tmp_path)]))

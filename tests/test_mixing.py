@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from imagenet.mixing import BatchMixer
-from imagenet.runner import main
+from imagenet.cli import main
+from imagenet.data.mixing import BatchMixer
 
 
 def batch():

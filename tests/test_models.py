@@ -1,4 +1,4 @@
-"""Tests for the architecture registry and starting weights (imagenet/models.py).
+"""Tests for the architecture registry and starting weights (imagenet/models/registry.py).
 
 CPU only and fast: real forwards run only for the four archs the brief names, on 32x32 inputs;
 the 101/152-layer models are built on the ``meta`` device (the same construction code, no
@@ -17,10 +17,11 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # no install step: the tests import the package from the checkout
-from imagenet import models, wrappers  # noqa: E402
-from imagenet.config import ARCHS  # noqa: E402
-from imagenet.errors import EXIT_USER_ERROR, UserError  # noqa: E402
-from imagenet.runner import main  # noqa: E402
+from imagenet.base import wrappers  # noqa: E402
+from imagenet.base.config import ARCHS  # noqa: E402
+from imagenet.base.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from imagenet.cli import main  # noqa: E402
+from imagenet.models.registry import registry as models
 
 FORWARD_ARCHS = ("resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2")
 # Tens of millions of parameters each: initialising them for real costs 1-2 s apiece here.
@@ -351,7 +352,7 @@ def test_unknown_pretrained_name_lists_the_valid_ones(resnet50_hub, tmp_path, mo
 
 
 def test_pretrained_yaml_key_takes_a_bool_or_a_name(tmp_path):
-    from imagenet.config import parse_config
+    from imagenet.base.config import parse_config
     for value, expected in (("true", "DEFAULT"), ("false", None), ("IMAGENET1K_V1", "IMAGENET1K_V1")):
         (tmp_path / "r.yaml").write_text(f"pretrained: {value}\n")
         assert parse_config(["--config", str(tmp_path / "r.yaml")]).pretrained == expected

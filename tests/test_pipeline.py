@@ -8,9 +8,10 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
-from imagenet.data import IMAGENET_MEAN, IMAGENET_STD, collate_skipping
-from imagenet.decode import TrainDecoder, ValDecoder
-from imagenet.prefetch import DeviceLoader
+from imagenet.data.decode import TrainDecoder, ValDecoder
+from imagenet.data.loaders import collate_skipping
+from imagenet.data.prefetch import DeviceLoader
+from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_device_loader_normalises_like_to_tensor_and_normalize(photo):
 def test_on_a_cpu_the_workers_normalise_and_the_training_process_only_passes_batches_on(photo):
     """Training on a CPU, the collate in the workers makes the float batch; what reaches the loop
     is what the device-side conversion of the uint8 batch gives, bit for bit."""
-    from imagenet.data import CollateNormalized, collate_for
+    from imagenet.data.loaders import CollateNormalized, collate_for
     img = ValDecoder(32, 40, draft=False)(photo)
     batch = [(img, 1, None), (img.flip(1).contiguous(), 2, None), (None, 0, "bad.JPEG")]
     collate = collate_for(torch.device("cpu"))
@@ -176,7 +177,7 @@ def test_unreadable_batch_passes_through_untouched():
 
 @pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
 def test_augment_policies_run_in_both_pipelines_and_are_seeded_per_sample(photo, policy):
-    from imagenet.data import augment_policy, train_transform
+    from imagenet.data.transforms import augment_policy, train_transform
     fast = TrainDecoder(32, 0.5, 0.5, draft=False, augment=augment_policy(policy))
     torch.manual_seed(7)
     a = fast(photo)
@@ -200,12 +201,12 @@ def test_random_erasing_on_uint8_paints_the_mean_colour(photo):
 
 
 def test_low_resolution_training_with_a_full_size_validation_crop(digits, tmp_path):
-    from imagenet.config import parse_config
-    from imagenet.data import build_datasets
+    from imagenet.base.config import parse_config
+    from imagenet.data.loaders import build_datasets
     cfg = parse_config([digits, "--image-size", "16", "--val-crop", "24", "--val-resize", "28"])
     data = build_datasets(cfg, digits)
     assert data.train[(0, 1)][0].shape == (16, 16, 3)
     assert data.val[0][0].shape == (24, 24, 3)
-    from imagenet.errors import UserError
+    from imagenet.base.errors import UserError
     with pytest.raises(UserError, match="--val-crop"):
         parse_config([digits, "--val-crop", "300"])

@@ -16,7 +16,7 @@ plot_metrics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plot_metrics)
 
 # Five epochs of a ResNet-50-like ImageNet run in the trainer's record format (metrics.EpochRecord,
-# written by imagenet/runlog.py).
+# written by imagenet/training/runlog.py).
 FP32 = dict(lr=[0.04, 0.1, 0.0905, 0.0655, 0.0345], train_loss=[6.41, 5.02, 4.11, 3.58, 3.21],
             val_loss=[5.73, 4.48, 3.72, 3.31, 3.02], train_acc1=[2.9, 11.8, 22.4, 29.7, 35.2],
             val_acc1=[5.1, 17.6, 28.9, 35.4, 39.8], val_acc5=[15.2, 38.9, 53.6, 61.0, 65.7],

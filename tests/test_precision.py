@@ -8,10 +8,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.config import Config
-from imagenet.precision import (AutocastPrecision, LossScaler, MasterWeightPrecision, Precision, build_precision,
-                                configure_tf32, copy_by_dtype, iter_norm_modules)
-from imagenet.wrappers import unwrap
+from imagenet.base.config import Config
+from imagenet.base.wrappers import unwrap
+from imagenet.precision import (AutocastPrecision,
+    LossScaler,
+    MasterWeightPrecision,
+    Precision,
+    build_precision,
+    configure_tf32,
+    copy_by_dtype,
+    iter_norm_modules)
 from tests.helpers import batches, small_net, train_steps
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torchvision
 
-from imagenet.config import parse_config
-from imagenet.errors import UserError
+from imagenet.base.config import parse_config
+from imagenet.base.errors import UserError
+from imagenet.cli import main
 from imagenet.precision import LossScaler, MasterWeightPrecision, build_precision
-from imagenet.runner import main
 from tests.helpers import batches, last_checkpoint, small_net, tiny_run_args, train_steps
 
 

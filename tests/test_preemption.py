@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagenet.runner import main
+from imagenet.cli import main
 from tests.helpers import assert_same_run, make_digits, scratch
 from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
@@ -44,7 +44,7 @@ def straight(digits, tmp_path_factory):
 
 def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, monkeypatch):
     # Stop the first run right after a mid-epoch checkpoint at step 5 of epoch 1, as a kill -9 would.
-    from imagenet import engine
+    from imagenet.training import engine
 
     real = engine.train_one_epoch
 
@@ -56,7 +56,7 @@ def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, mo
             if k["progress"].epoch == 1 and done == 5:
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.runner.train_one_epoch", crash_after_save)
+    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
     assert main(args(digits, tmp_path, "--save-every-steps", "5")) == 130
     ckpt = weights(tmp_path)
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 5)
@@ -128,7 +128,7 @@ def test_sigterm_to_the_whole_process_group_spares_the_workers_until_the_checkpo
 
 def test_a_worker_that_got_sigterm_ends_by_itself_after_the_grace_period():
     script = ("import os, signal, time\n"
-              "from imagenet import data\n"
+              "from imagenet.data import loaders as data\n"
               "data.WORKER_TERM_GRACE = 1\n"
               "signal.signal(signal.SIGALRM, lambda *_: None)\n"  # the parent's handler, inherited by a fork
               "data.worker_signals(0)\n"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from imagenet.runner import main
+from imagenet.cli import main
 from tests.helpers import digits_fixture, scratch
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagenet import distributed
-from imagenet.config import parse_config
-from imagenet.errors import UserError
+from imagenet.base.config import parse_config
+from imagenet.base.errors import UserError
+from imagenet.parallel import distributed
 from tests.helpers import digits_fixture
 
 REPO = Path(__file__).resolve().parents[1]

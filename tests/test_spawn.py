@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 SPAWN = """
 import sys
-from imagenet.config import parse_config
-from imagenet.runner import run
-from imagenet.spawn import spawn_per_gpu
+from imagenet.base.config import parse_config
+from imagenet.training.runner import run
+from imagenet.parallel.spawn import spawn_per_gpu
 sys.exit(spawn_per_gpu(parse_config(sys.argv[1:]), run, nprocs=2))
 """
 

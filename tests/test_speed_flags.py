@@ -1,4 +1,4 @@
-"""--compile and --optimizer-impl through the trainer, and scripts/bench.py train on the CPU."""
+"""--compile and --optimizer-impl through the trainer, and scripts/perf/bench.py train on the CPU."""
 
 import json
 import os
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torchvision
 
-from imagenet.errors import UserError
-from imagenet.models import compile_model
-from imagenet.runner import main
-from imagenet.distributed import free_port
+from imagenet.base.errors import UserError
+from imagenet.cli import main
+from imagenet.models.registry import compile_model
+from imagenet.parallel.distributed import free_port
 from tests.helpers import fused_or_skip, last_checkpoint, tiny_run_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +22,7 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
     """The compiled module is only a wrapper: checkpoints hold torchvision's own names, and the
     run validates and resumes as an uncompiled one. (Dynamo traces for real; the 'eager' backend
     skips code generation, which a 2-core CI machine cannot afford. Inductor runs on the GPU
-    machine in scripts/bench.py.)"""
+    machine in scripts/perf/bench.py.)"""
     modes = []
     real = torch.compile
 
@@ -92,7 +92,7 @@ def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, "scripts/bench.py", "train", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "scripts/perf/bench.py", "train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -110,7 +110,7 @@ def test_bench_train_prints_a_table_on_the_cpu(tmp_path):
 
 def test_bench_refuses_a_batch_that_does_not_divide(tmp_path):
     r = subprocess.run([sys.executable, "-m", "multiproc", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
-                        "scripts/bench.py", "train",
+                        "scripts/perf/bench.py", "train",
                         "--arch", "resnet18", "--image-size", "16", "--batch-size", "5", "--steps", "1"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "does not divide" in r.stdout + r.stderr
@@ -121,7 +121,7 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     gloo on 127.0.0.1) trains as one DDP world of 2 and reports from rank 0; DDP options and
     --profile pass."""
     port = free_port()
-    bench_args = ["scripts/bench.py", "train", "--arch", "resnet18", "--image-size", "16", "--num-classes", "10",
+    bench_args = ["scripts/perf/bench.py", "train", "--arch", "resnet18", "--image-size", "16", "--num-classes", "10",
                   "--batch-size", "4", "--warmup", "1", "--steps", "1", "--windows", "2", "--precision", "fp32",
                   "--ddp-bucket-mb", "1", "--ddp-bucket-view", "--profile", "1"]
     launchers = [subprocess.Popen([sys.executable, "-m", "multiproc", "--nproc-per-node", "1", "--nnodes", "2",
@@ -140,7 +140,7 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
 def jpeg_folder(tmp_path_factory):
     pytest.importorskip("skimage")
     root = tmp_path_factory.mktemp("jpegs") / "bench"
-    r = subprocess.run([sys.executable, "scripts/make_benchmark_imagefolder.py", str(root), "--classes", "3",
+    r = subprocess.run([sys.executable, "scripts/perf/make_benchmark_imagefolder.py", str(root), "--classes", "3",
                         "--train-per-class", "8", "--val-per-class", "1"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -148,7 +148,7 @@ def jpeg_folder(tmp_path_factory):
 
 
 def bench_data(*args):
-    return subprocess.run([sys.executable, "scripts/bench.py", "data", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "scripts/perf/bench.py", "data", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -160,7 +160,7 @@ def test_bench_classic_row_is_plain_torchvision(jpeg_folder):
 
     from torch.utils.data import DataLoader, RandomSampler
     from torchvision import datasets, transforms
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
     import bench
     args = SimpleNamespace(dir=str(jpeg_folder), image_size=32, batch_size=4, workers=0)
     torch.manual_seed(5)
@@ -214,7 +214,7 @@ def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder):
     (["data", "DIR", "--pipelines", "fats"], "--pipelines: unknown fats"),
 ])
 def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path):
-    r = subprocess.run([sys.executable, "scripts/bench.py", *[str(tmp_path) if a == "DIR" else a for a in args]],
+    r = subprocess.run([sys.executable, "scripts/perf/bench.py", *[str(tmp_path) if a == "DIR" else a for a in args]],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
@@ -226,7 +226,7 @@ def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path):
 ])
 def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
     """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""
-    r = subprocess.run([sys.executable, "scripts/gpu_verify.py", *args, "--out", str(tmp_path)], cwd=REPO,
+    r = subprocess.run([sys.executable, "scripts/perf/gpu_verify.py", *args, "--out", str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "make_jpeg.log").exists()  # failed before making data

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from imagenet import checkpoint as ckpt_io
-from imagenet.config import Config
-from imagenet.distributed import DistContext
+from imagenet.base import checkpoint as ckpt_io
+from imagenet.base.config import Config
+from imagenet.parallel.distributed import DistContext
 from imagenet.precision import MasterWeightPrecision
-from imagenet.savepolicy import CheckpointPolicy
-from imagenet.state import Progress, build_training
+from imagenet.training.savepolicy import CheckpointPolicy
+from imagenet.training.state import Progress, build_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = DistContext("cpu", torch.device("cpu"), "test")
@@ -140,7 +140,7 @@ def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
 def test_a_row_lost_between_the_checkpoint_and_metrics_jsonl_comes_back_on_resume(digits, tmp_path):
     """A run killed after an epoch's checkpoint but before its metrics row: resuming writes the
     row from the checkpoint, once, and no row of another run's checkpoint."""
-    from imagenet.runner import main
+    from imagenet.cli import main
     from tests.helpers import resnet18_args
     out = tmp_path / "run"
     assert main(resnet18_args(digits, out, "-j", 0, "--epochs", 1)) == 0

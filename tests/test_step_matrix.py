@@ -1,4 +1,4 @@
-"""scripts/step_matrix.py (row names, the kernel-class account) and bench.py's --inductor option."""
+"""scripts/perf/step_matrix.py (row names, the kernel-class account) and bench.py's --inductor option."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "perf" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -72,7 +72,7 @@ def test_the_account_adds_up_to_the_step(tmp_path):
 
 
 def test_bench_sets_inductor_options_and_rejects_unknown_ones():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "perf"))
     bench = _load("bench")
     import torch._inductor.config as inductor
     before = (inductor.conv_1x1_as_mm, inductor.max_autotune_gemm_backends)
@@ -97,7 +97,7 @@ def test_the_tests_step_reports_pytests_summary(tmp_path):
 
 
 def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
-    """scripts/bn_kernel_sweep.py: a kernel's registers, spills and shared memory belong to the
+    """scripts/perf/bn_kernel_sweep.py: a kernel's registers, spills and shared memory belong to the
     settings it was compiled for (tile, warps, stages), so a candidate that differs only in
     programs a multiprocessor, or equals the settings compiled before the sweep, reports them
     too; the programs that fit a multiprocessor count registers, warps and shared memory."""
@@ -105,7 +105,7 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
     sweep = _load("bn_kernel_sweep")
     from types import SimpleNamespace as K
 
-    from imagenet import fusedbn
+    from imagenet.kernels import fusedbn
     kernels = []
     monkeypatch.setattr(sweep, "compiled", lambda kernel: list(kernels))
     known, seen = {}, set()
@@ -127,7 +127,7 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     last take two gradients (fusedbn.fuse_resnet forks those outputs), and count one pass more."""
     pytest.importorskip("triton")
     sweep = _load("bn_kernel_sweep")
-    from imagenet import fusedbn
+    from imagenet.kernels import fusedbn
     layers = sweep.resnet50_layers(2)
     assert len(layers) == 53
     forked = [layer for layer in layers if layer[6]]

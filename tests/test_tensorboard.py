@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from imagenet.runner import main
+from imagenet.cli import main
 from tests.helpers import tiny_run_args
 
 

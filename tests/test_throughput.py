@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imagenet.distributed import DistContext
-from imagenet.engine import LoopOptions
-from imagenet.optim import build_optimizer
+from imagenet.cli import main
+from imagenet.parallel.distributed import DistContext
 from imagenet.precision import Precision
-from imagenet.runner import main
+from imagenet.precision.optim import build_optimizer
+from imagenet.training.engine import LoopOptions
 from tests.helpers import epoch_of
 
 CPU = DistContext("cpu", torch.device("cpu"), "test")
@@ -102,7 +102,7 @@ def dummy_run(out, *extra):
 
 
 def test_an_input_bound_epoch_says_so_and_what_to_try(tmp_path, monkeypatch, capsys):
-    from imagenet.data import SyntheticLoader
+    from imagenet.data.synthetic import SyntheticLoader
     fast_iter = SyntheticLoader.__iter__
 
     def slow(self):

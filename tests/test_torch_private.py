@@ -1,4 +1,4 @@
-"""The private torch APIs of imagenet.torch_private still exist and behave as the trainer relies on.
+"""The private torch APIs of imagenet.base.torch_private still exist and behave as the trainer relies on.
 
 Each test names the torch attribute it checks, so a torch release that changes one says which
 helper to rewrite.
@@ -7,7 +7,7 @@ helper to rewrite.
 import torch
 import torch.nn as nn
 
-from imagenet import torch_private as tp
+from imagenet.base import torch_private as tp
 from tests.helpers import fused_or_skip
 
 

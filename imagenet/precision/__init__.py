@@ -35,8 +35,11 @@ Modules:
 * ``norms`` -- :func:`iter_norm_modules`: the layers every mode keeps in float32.
 * ``tf32`` -- :func:`configure_tf32`.
 * ``factory`` -- :func:`build_precision` (config -> mode) and :func:`describe` (the banner line).
+* ``optim`` -- the SGD optimizer, fused on GPUs (it skips an overflowing step on the device).
 
-The private torch calls these need are in :mod:`imagenet.torch_private`.
+The private torch calls these need are in :mod:`imagenet.base.torch_private`.
+
+May import: ``imagenet.base``.
 """
 
 from .autocast import AutocastPrecision

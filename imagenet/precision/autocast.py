@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..optim import supports_found_inf
-from ..torch_private import grad_scaler_scale
+from ..base.torch_private import grad_scaler_scale
 from .base import Precision, _optimizer_params, _param_device
+from .optim import supports_found_inf
 from .scaler import _SkipLog
 
 

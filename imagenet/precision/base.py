@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..wrappers import unwrap
+from ..base.wrappers import unwrap
 
 
 class Precision:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..torch_private import foreach_copy_
+from ..base.torch_private import foreach_copy_
 
 
 def dtype_groups(dst: list, src: list) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
+from ..base.errors import UserError
 from .autocast import AutocastPrecision
 from .base import Precision
 from .master import MasterWeightPrecision
@@ -13,7 +13,7 @@ from .scaler import LossScaler
 
 def build_precision(cfg, device: torch.device) -> Precision:
     """The precision object for ``cfg`` on ``device``; raises UserError if it can't run there."""
-    from ..config import static_loss_scale  # config is below us in the data flow
+    from ..base.config import static_loss_scale  # config is below us in the data flow
     clip_norm = cfg.clip_grad_norm
     if cfg.fp16:
         static = static_loss_scale(cfg)

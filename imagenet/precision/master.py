@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..optim import supports_found_inf
-from ..torch_private import amp_unscale_and_check_, foreach_copy_, step_skipping_on_device
-from ..wrappers import unwrap
+from ..base.torch_private import amp_unscale_and_check_, foreach_copy_, step_skipping_on_device
+from ..base.wrappers import unwrap
 from .base import Precision
 from .copies import copy_by_dtype, dtype_groups
 from .norms import NORM_TYPES
+from .optim import supports_found_inf
 from .scaler import LossScaler
 
 

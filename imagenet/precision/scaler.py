@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..torch_private import amp_update_scale_
+from ..base.torch_private import amp_update_scale_
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,17 @@
+"""The input pipeline: from files to batches on the training device.
+
+* ``folder`` -- ImageFolder datasets, the layout checks, unreadable files skipped and counted.
+* ``synthetic`` -- ``--dummy``: batches made once on the device.
+* ``transforms`` -- crop and resize geometry, torchvision's classic transforms, augmentation
+  policies, the crop size per epoch (``--progressive-resize``).
+* ``decode`` -- the fast CPU path: decode, crop, resize and flip in the workers (PIL).
+* ``cropbatch`` -- ``--decode cpu`` on a GPU: workers crop, the device resizes and flips.
+* ``gpudecode`` -- ``--decode gpu``: workers read bytes and draw crops, nvJPEG decodes.
+* ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds.
+* ``loaders`` -- datasets and loaders of a run, collation, per-process batch sizes.
+* ``prefetch`` -- the device loader: copies, normalisation and layout on the device, ahead.
+* ``mixing`` -- mixup and CutMix on the device.
+* ``prepare`` -- the built-in MNIST-5k export and dataset conversions.
+
+May import: ``imagenet.base``, ``imagenet.kernels``.
+"""

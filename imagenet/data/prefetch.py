@@ -1,0 +1,202 @@
+"""Batches onto the device: copied one batch ahead on a side stream, normalised there.
+
+Loaders yield ``(images, targets, skipped_paths)``. uint8 NHWC images (the fast decode path)
+are converted to float and normalised on the device (where the device is the CPU, the workers
+do it instead: :class:`imagenet.data.loaders.CollateNormalized`); the NHWC layout is already channels_last
+memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
+synthetic data) pass through, laid out as asked.
+
+With ``background=True`` (``--decode gpu``) a thread takes the batches from the DataLoader and
+prepares them -- nvJPEG decode, crops, resizes -- on its own stream, up to ``depth`` batches
+ahead. That work is mostly host-side launching (a few kernels per image); in the training thread
+it ran in series with the step's own launches, so the step waited for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from .cropbatch import CropBatch
+from .gpudecode import JpegBatch, decode_batch
+
+
+class Normalize:
+    """uint8 NHWC images -> float NCHW (channels_last memory), ``(x / 255 - mean) / std``, on
+    ``device``, as ``x * scale + shift``: a multiply and an add per element, in place."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device = torch.device("cpu")):
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(device)
+        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
+        return x.mul_(self.scale).add_(self.shift)  # in place: no third full-size tensor
+
+
+def is_uint8_batch(images) -> bool:
+    return isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.dim() == 4
+
+
+class DeviceLoader:
+    """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
+
+    def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
+                 std: Sequence[float], background: bool = False, depth: int = 2):
+        self.loader = loader
+        self.background = background
+        self.depth = depth
+        self.device = device
+        self.channels_last = channels_last
+        self.normalize = Normalize(mean, std, device)
+        self._counts = {"gpu": 0, "cpu": 0}
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    def _convert(self, images: torch.Tensor) -> torch.Tensor:
+        if is_uint8_batch(images):
+            images = self.normalize(images)
+        if images.dim() == 4:  # a no-op where the layout already is the one asked for
+            return images.contiguous(memory_format=torch.channels_last if self.channels_last
+                                     else torch.contiguous_format)
+        return images
+
+    def decode_counts(self) -> dict:
+        """Images decoded on the device / on a CPU instead (``--decode gpu``) since the last call."""
+        counts, self._counts = self._counts, {"gpu": 0, "cpu": 0}
+        return counts
+
+    def _to_device(self, batch) -> tuple:
+        """(images, targets, skipped, decode counts) on the device."""
+        images, targets, skipped = batch
+        counts = None
+        if targets.numel() == 0:
+            return images, targets, skipped, counts
+        if isinstance(images, JpegBatch):
+            images, keep, bad, counts = decode_batch(images, self.device)
+            if bad:
+                targets = targets[torch.tensor(keep)]
+                skipped = skipped + bad
+            if targets.numel() == 0:
+                return torch.empty(0), targets, skipped, counts
+        elif isinstance(images, CropBatch):  # --decode cpu's crops, resized and flipped here
+            images = images.to_device(self.device)
+        else:
+            images = images.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        return self._convert(images), targets, skipped, counts
+
+    def _yielded(self, batch: tuple) -> tuple:
+        # Counted when the loop takes the batch, not when it was prepared one ahead.
+        *batch, counts = batch
+        if counts:
+            for k, v in counts.items():
+                self._counts[k] += v
+        return tuple(batch)
+
+    def __iter__(self) -> Iterator[tuple]:
+        if self.background:
+            yield from self._in_background()
+            return
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield self._yielded(self._to_device(batch))
+            return
+        yield from self._prefetching()
+
+    def _prefetching(self) -> Iterator[tuple]:
+        stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        it = iter(self.loader)
+
+        def load():
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            with torch.cuda.stream(stream):
+                return self._to_device(batch)
+
+        upcoming = load()
+        while upcoming is not None:
+            main.wait_stream(stream)
+            current = _used_on(main, self._yielded(upcoming))
+            upcoming = load()  # the next copy overlaps this batch's compute
+            yield current
+
+    def _in_background(self) -> Iterator[tuple]:
+        cuda = self.device.type == "cuda"
+        # High priority: the batch's small crop/resize kernels go ahead of the training step's
+        # queued kernels instead of waiting for gaps in them (at normal priority the step waited
+        # for its next batch).
+        stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        it = iter(self.loader)
+
+        def offer(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                with torch.cuda.device(self.device) if cuda else contextlib.nullcontext(), \
+                        torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    for batch in it:
+                        prepared = self._to_device(batch)
+                        event = None
+                        if cuda:
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                        if not offer(("batch", prepared, event)):
+                            return
+                offer(("end", None, None))
+            except BaseException as e:  # raised again in the training thread
+                offer(("error", e, None))
+
+        thread = threading.Thread(target=produce, name="batch-prepare", daemon=True)
+        thread.start()
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        try:
+            while True:
+                kind, prepared, event = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise prepared
+                current = self._yielded(prepared)
+                if cuda:
+                    main.wait_event(event)
+                    current = _used_on(main, current)
+                yield current
+        finally:
+            # The thread must be done with the loader's iterator before anyone makes a new one
+            # (persistent workers reuse it): stop it and wait for the batch it is on. The
+            # DataLoader notices dead workers within seconds, so the wait is bounded; the limit
+            # only keeps an interrupted run from hanging at exit.
+            stop.set()
+            thread.join(timeout=120)
+
+
+def _used_on(main: torch.cuda.Stream, batch: tuple) -> tuple:
+    """A batch made on a side stream, handed to ``main``: its memory is kept until main is done."""
+    images, targets, _ = batch
+    if targets.numel():
+        images.record_stream(main)
+        targets.record_stream(main)
+    return batch

@@ -1,0 +1,10 @@
+"""GPU kernels of our own, written in Triton, each registered as a ``torch.library`` op (so
+``torch.compile`` keeps it and CUDA graphs capture it) and each with a torch fallback.
+
+* ``fusedbn`` -- BatchNorm + residual add + ReLU, forward and backward (``--bn-kernel``).
+* ``maxpool`` -- the stem's 3x3/2 max-pool on channels_last tensors (``--maxpool-kernel``).
+* ``gpugeometry`` -- crop, antialiased resize and flip of a whole batch of images in one launch
+  (the GPU decode path and the GPU resize of CPU-decoded crops).
+
+May import: ``imagenet.base``.
+"""

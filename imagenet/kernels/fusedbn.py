@@ -1,0 +1,600 @@
+"""Training-mode BatchNorm fused with the residual add and the ReLU, in Triton (``--bn-kernel triton``).
+
+Why: in an eager ResNet-50 step (one H200, batch 256, ``--fp16 --channels-last``) cuDNN's
+BatchNorm takes 13.7 ms and the separate ReLU, residual add and their gradients another 10.1 ms
+of the 39.5 ms step (docs/BENCHMARKS.md, run Y3). Each of those is a pass over the activations
+in memory. Fused, one BatchNorm layer with its add and ReLU costs the passes the arithmetic
+needs and no more:
+
+* forward: one pass for the per-channel mean and variance (sums per tile, the tiles' partial
+  results combined in a fixed order, so the result is deterministic), one pass that normalises,
+  adds the residual and applies the ReLU;
+* backward: one pass for the two per-channel sums (of the ReLU-masked gradient and of it times
+  the centred input), one pass that writes the input's gradient (and the residual's). A block's
+  output is read twice by the next block (its first convolution and its shortcut), so it gets
+  two gradients: the output is forked (:class:`_ForkedBnAct`) and both passes load the two and
+  add them, where autograd would sum them in a pass of its own first (1.2 ms of a 48 ms
+  ResNet-50 step at batch 384, docs/BENCHMARKS.md, run BB4).
+
+Where no residual is added (two of a Bottleneck's three BatchNorms) the ReLU's mask is
+recomputed from the input and the statistics instead of read from the output: two fewer passes
+in the backward. The mask is then that of the float32 sum before rounding, so an output that
+rounds to zero from a positive float32 value (below 3e-8 in fp16) passes its gradient where
+torch's would not; nothing else differs.
+
+The arithmetic is in float32 whatever the activations' dtype; the output and gradients are
+rounded once, where torch rounds BatchNorm's output before the add. The running statistics
+follow torch's rule (momentum, unbiased variance).
+
+The kernels are ``torch.library`` custom ops (the statistics, which update the running ones in
+place; the normalisation, with an autograd rule; its backward), so torch.compile keeps them as
+they are (``--compile`` with ``--bn-kernel triton``: Inductor compiles the rest of the step
+around them) and CUDA graphs capture them. Only channels_last
+tensors on CUDA (or under ``TRITON_INTERPRET=1``) of a plain ``nn.BatchNorm2d`` with affine
+parameters, running statistics and a fixed momentum take the kernels, in training mode;
+everything else (evaluation, other layers) runs torch's modules. :func:`fuse_resnet` rewires
+torchvision's ResNet blocks to call :func:`bn_act` and keeps every module, parameter and buffer
+name, so state dicts are torchvision's.
+"""
+
+import json
+import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch without Triton
+    triton = None
+
+# Triton reads TRITON_INTERPRET when it defines the kernels; read here once too, so that takes()
+# inside torch.compile reads no environment (which breaks the graph on torch before 2.5)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel is launched: ``tile`` elements per program step (BLOCK_M x BLOCK_C), ``warps``
+    per program; for the reductions, ``programs_per_sm`` programs aimed at per multiprocessor and
+    ``stages``, the loop iterations whose loads are in flight at once (Triton's software
+    pipelining of the row loop, ``tl.range(num_stages=)``; 1: none)."""
+    tile: int
+    warps: int
+    programs_per_sm: int = 0
+    stages: int = 1
+
+
+# The settings of scripts/perf/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md: runs Z3, and
+# AA2 for the reductions' pipelined loops)
+LAUNCH = {"stats": Launch(4096, 4, 2, 4), "apply": Launch(2048, 4), "grad": Launch(2048, 4, 2, 4),
+          "grad_input": Launch(2048, 4)}
+LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
+TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program step (the sweep tries 2048-16384)
+
+
+def launch_override(value: Optional[str]) -> dict:
+    """The settings ``value`` (``IMAGENET_BN_LAUNCH``: a JSON object of phase: [tile, warps,
+    programs_per_sm, stages] as scripts/perf/bn_kernel_sweep.py writes it; stages may be left out,
+    and for the pointwise phases programs_per_sm too) asks for, to be put over :data:`LAUNCH`
+    (models.use_bn_kernels does, for main.py and bench.py); a ValueError naming the problem
+    where it is not one."""
+    if not value:
+        return {}
+    try:
+        asked = json.loads(value)
+        if not all(type(v) is int for values in asked.values() for v in values):
+            raise ValueError("the values must be whole numbers")
+        settings = {phase: Launch(*values) for phase, values in asked.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm, "
+                         f"stages] ({e})") from None
+    unknown = sorted(set(settings) - set(LAUNCH))
+    reduction = {"stats", "grad"}  # the phases with a row loop (programs per multiprocessor, stages)
+    bad = [p for p, launch in settings.items() if launch.tile not in TILES or launch.warps not in (1, 2, 4, 8, 16)
+           or not (1 if p in reduction else 0) <= launch.programs_per_sm <= 64
+           or not 1 <= launch.stages <= (4 if p in reduction else 1)]
+    if unknown or bad:
+        raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
+                         if unknown else f"{bad}: tiles are powers of two from {TILES[0]} to {TILES[-1]}, warps "
+                                         "1-16 (a power of two), the reductions (stats, grad) 1-64 programs per "
+                                         "multiprocessor, stages 1-4 (the reductions; 1 for the others)"))
+    return settings
+
+
+PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
+FINISH_C = 16  # channels per program of the kernels that combine the partial results
+FINISH_P = 128  # partial results combined per step of those kernels
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MASK_NONE, MASK_FROM_OUTPUT, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
+
+
+def available() -> bool:
+    """Whether the kernels can run: Triton and a CUDA GPU of compute capability 7.0 or later
+    (Inductor's minimum), or Triton's interpreter."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
+
+
+def takes(x: torch.Tensor, bn: nn.Module) -> bool:
+    """Whether ``bn(x)`` (with its add and ReLU) goes through the kernels."""
+    return (triton is not None and bn.training and type(bn) is nn.BatchNorm2d and bn.affine
+            and bn.track_running_stats and bn.momentum is not None and (x.is_cuda or _INTERPRETED)
+            and x.dim() == 4 and x.dtype in _DTYPES
+            and x.is_contiguous(memory_format=torch.channels_last) and x.numel() > 0
+            and x.shape[0] * x.shape[2] * x.shape[3] > 1)
+
+
+if triton is not None:
+    @triton.jit
+    def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                       STAGES: tl.constexpr):
+        # Rows ROWS * pid .. of the [M, C] view, one channel block: sums of x - shift and of its
+        # square, element-wise in registers, reduced once at the end (the shift, the block's
+        # first row, keeps the variance's cancellation small); stored as (mean, M2).
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        first = tl.program_id(0) * ROWS
+        shift = tl.load(x_ptr + first.to(tl.int64) * C + c, mask=c_ok, other=0.0).to(tl.float32)
+        s1 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        s2 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
+            r = first + start + tl.arange(0, BLOCK_M)
+            mask = (r < M)[:, None] & c_ok[None, :]
+            x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, x - shift[None, :], 0.0)
+            s1 += d
+            s2 += d * d
+        n = tl.minimum(ROWS, M - first).to(tl.float32)
+        t1 = tl.sum(s1, 0)
+        out = tl.program_id(0) * C + c
+        tl.store(pmean_ptr + out, shift + t1 / n, mask=c_ok)
+        tl.store(pm2_ptr + out, tl.maximum(tl.sum(s2, 0) - t1 * t1 / n, 0.0), mask=c_ok)
+
+    @triton.jit
+    def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, P, ROWS, eps, momentum,
+                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # The P partial results of each channel, BLOCK_P at a time (each tile combined exactly:
+        # its count-weighted mean, then its M2 about that mean), tiles in order; then torch's
+        # running-statistics update.
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        n = tl.zeros((BLOCK_C,), tl.float32)
+        mean = tl.zeros((BLOCK_C,), tl.float32)
+        m2 = tl.zeros((BLOCK_C,), tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            p_ok = p < P
+            count = tl.where(p_ok, tl.minimum(ROWS, M - p * ROWS), 0).to(tl.float32)
+            mask = p_ok[:, None] & c_ok[None, :]
+            offs = p[:, None] * C + c[None, :]
+            pm = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
+            pm2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
+            tile_n = tl.sum(count, 0)
+            tile_mean = tl.sum(pm * count[:, None], 0) / tile_n
+            dev = tl.where(mask, pm - tile_mean[None, :], 0.0)
+            tile_m2 = tl.sum(pm2, 0) + tl.sum(dev * dev * count[:, None], 0)
+            total = n + tile_n
+            frac = tile_n / total
+            delta = tile_mean - mean
+            mean = mean + delta * frac
+            m2 = m2 + tile_m2 + delta * delta * n * frac
+            n = total
+        var = m2 / M
+        tl.store(mean_ptr + c, mean, mask=c_ok)
+        tl.store(invstd_ptr + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+        rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
+        unbiased = var * M / tl.maximum(M - 1, 1)
+        tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
+        # BatchNorm as x * scale + shift per channel; the forward and the backward's mask use this one.
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+        return mean, invstd, scale, shift
+
+    @triton.jit
+    def _apply(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
+               HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mask = (r < M)[:, None] & c_ok[None, :]
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
+        if HAS_RES:
+            z += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if RELU:
+            z = tl.where(z < 0, 0.0, z)  # torch's ReLU: NaN stays NaN
+        tl.store(y_ptr + offs, z.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _masked(g, x, y_ptr, offs, mask, scale, shift, MASK: tl.constexpr):
+        # torch's ReLU gradient: zero where the output is <= 0 (a NaN output passes it), the output
+        # read back (MASK 1) or recomputed from the input (MASK 2, no residual was added)
+        if MASK == 1:
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.where(y <= 0, 0.0, g)
+        if MASK == 2:
+            g = tl.where(x * scale[None, :] + shift[None, :] <= 0, 0.0, g)
+        return g
+
+    @triton.jit
+    def _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS: tl.constexpr):
+        # the gradient reaching the output, float32: one tensor, or the sum of the two a forked
+        # output receives (its block's next convolution's and the next block's shortcut's)
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if TWO_GRADS:
+            g += tl.load(dy2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return g
+
+    @triton.jit
+    def _partial_grad(dy_ptr, dy2_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
+                      TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                      STAGES: tl.constexpr):
+        # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
+        sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
+        sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        first = tl.program_id(0) * ROWS
+        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
+            r = first + start + tl.arange(0, BLOCK_M)
+            mask = (r < M)[:, None] & c_ok[None, :]
+            offs = r.to(tl.int64)[:, None] * C + c[None, :]
+            g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
+            sg += g
+            sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
+        out = tl.program_id(0) * C + c
+        tl.store(psg_ptr + out, tl.sum(sg, 0), mask=c_ok)
+        tl.store(psgx_ptr + out, tl.sum(sgx, 0), mask=c_ok)
+
+    @triton.jit
+    def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P,
+                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        sg = tl.zeros((BLOCK_C,), tl.float32)
+        sgx = tl.zeros((BLOCK_C,), tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            mask = (p < P)[:, None] & c_ok[None, :]
+            offs = p[:, None] * C + c[None, :]
+            sg += tl.sum(tl.load(psg_ptr + offs, mask=mask, other=0.0), 0)
+            sgx += tl.sum(tl.load(psgx_ptr + offs, mask=mask, other=0.0), 0)
+        tl.store(sg_ptr + c, sg, mask=c_ok)
+        tl.store(sgx_ptr + c, sgx, mask=c_ok)
+        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        tl.store(dw_ptr + c, (sgx * invstd).to(dw_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _grad_input(dy_ptr, dy2_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr,
+                    M, C, HAS_RES: tl.constexpr, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mask = (r < M)[:, None] & c_ok[None, :]
+        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
+        mean_g = tl.load(sg_ptr + c, mask=c_ok, other=0.0) / M
+        proj = tl.load(sgx_ptr + c, mask=c_ok, other=0.0) * invstd * invstd / M
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
+        if HAS_RES:
+            tl.store(dr_ptr + offs, g.to(dr_ptr.dtype.element_ty), mask=mask)
+        dx = scale[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _blocks(c: int, launch: Launch) -> tuple:
+    """(BLOCK_M, BLOCK_C) of a kernel over [m, c] rows."""
+    block_c = min(triton.next_power_of_2(c), 128)
+    return max(launch.tile // block_c, 1), block_c
+
+
+def _layout(m: int, c: int, device: torch.device, launch: Optional[Launch] = None) -> tuple:
+    """(BLOCK_M, BLOCK_C, rows per partial, partials) of a reduction over an [m, c] activation:
+    enough row ranges that every multiprocessor gets ``programs_per_sm`` programs."""
+    launch = launch or LAUNCH["stats"]
+    block_m, block_c = _blocks(c, launch)
+    chunks = triton.cdiv(m, block_m)
+    partials = PARTIALS or triton.cdiv(launch.programs_per_sm * _multiprocessors(device), triton.cdiv(c, block_c))
+    rows = block_m * triton.cdiv(chunks, partials)
+    return block_m, block_c, rows, triton.cdiv(m, rows)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A channels_last NCHW tensor as its [N*H*W, C] matrix (no copy)."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def _cl(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def _mask_kind(relu: bool, has_res: bool) -> int:
+    return (MASK_FROM_OUTPUT if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
+
+
+def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
+    """For a per-channel reduction over a channels_last ``x``: (rows M, channels C, its
+    :func:`_layout`, two float32 [partials, C] buffers for the partial results, two [C] ones)."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    layout = _layout(m, c, x.device, launch)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    partials = (torch.empty((layout[3], c), **f32), torch.empty((layout[3], c), **f32))
+    return m, c, layout, partials, (torch.empty(c, **f32), torch.empty(c, **f32))
+
+
+def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+               eps: float) -> tuple:
+    """The batch's per-channel (mean, 1/std) in float32 of a channels_last ``x``; updates the
+    running statistics in place."""
+    launch = LAUNCH["stats"]
+    m, c, (block_m, block_c, rows, parts), (pmean, pm2), (mean, invstd) = _reduction(x, launch)
+    _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
+                                                     BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
+    finish_c = min(FINISH_C, triton.next_power_of_2(c))
+    _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
+                                               rows, eps, momentum, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+    return mean, invstd
+
+
+def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+              weight: torch.Tensor, bias: torch.Tensor, relu: bool) -> torch.Tensor:
+    """``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["apply"]
+    block_m, block_c = _blocks(c, launch)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
+    xs = _rows(x)
+    _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+        xs, _rows(residual) if residual is not None else xs, _rows(y), mean, invstd, weight, bias, m, c,
+        HAS_RES=residual is not None, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=launch.warps)
+    return y
+
+
+def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
+                  dy2: Optional[torch.Tensor] = None) -> tuple:
+    """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy`` (plus
+    ``dy2``, a forked output's second gradient); and the weight's and bias's gradients."""
+    launch = LAUNCH["grad"]
+    m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
+    dw, db = torch.empty_like(weight), torch.empty_like(bias)
+    xs = _rows(x)
+    dys = _rows(dy)
+    _partial_grad[(parts, triton.cdiv(c, block_c))](
+        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, mean, invstd, weight,
+        bias, psg, psgx, m, c, rows, TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        STAGES=launch.stages, num_warps=launch.warps)
+    finish_c = min(FINISH_C, triton.next_power_of_2(c))
+    _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
+                                              BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+    return sg, sgx, dw, db
+
+
+def input_gradients(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sg: torch.Tensor,
+                    sgx: torch.Tensor, mask: int, has_res: bool, dy2: Optional[torch.Tensor] = None) -> tuple:
+    """(the input's gradient, the residual's or an empty tensor), channels_last, in ``x``'s dtype."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    launch = LAUNCH["grad_input"]
+    block_m, block_c = _blocks(c, launch)
+    dx = torch.empty_like(x, memory_format=torch.channels_last)
+    dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
+    xs, dys = _rows(x), _rows(dy)
+    _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
+        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, _rows(dx),
+        _rows(dr) if has_res else xs, mean, invstd, weight, bias, sg, sgx, m, c, HAS_RES=has_res,
+        TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=launch.warps)
+    return dx, dr
+
+
+@torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var"))
+def bn_stats_op(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`statistics` as an op (no gradient: :func:`bn_act_op`'s backward accounts for the
+    statistics' dependence on ``x``)."""
+    return statistics(_cl(x), running_mean, running_var, momentum, eps)
+
+
+@bn_stats_op.register_fake
+def _(x, running_mean, running_var, momentum, eps):
+    c = x.shape[1]
+    return x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
+
+
+@torch.library.custom_op("imagenet::bn_act", mutates_args=())
+def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
+              mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> torch.Tensor:
+    """relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`."""
+    return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu)
+
+
+@bn_act_op.register_fake
+def _(x, weight, bias, residual, mean, invstd, relu):
+    return torch.empty_like(x, memory_format=torch.channels_last)
+
+
+@torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
+def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tensor, y: Optional[torch.Tensor],
+                    mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
+                    has_res: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`, the output's
+    gradient ``dy`` plus ``dy2`` where it was forked (:class:`_ForkedBnAct`)."""
+    dy, x = _cl(dy), _cl(x)
+    y = _cl(y) if y is not None else None
+    dy2 = _cl(dy2) if dy2 is not None else None
+    sg, sgx, dw, db = gradient_sums(dy, x, y, mean, invstd, weight, bias, mask, dy2)
+    dx, dr = input_gradients(dy, x, y, mean, invstd, weight, bias, sg, sgx, mask, has_res, dy2)
+    return dx, dw, db, dr
+
+
+@bn_act_backward.register_fake
+def _(dy, dy2, x, y, mean, invstd, weight, bias, mask, has_res):
+    dx = torch.empty_like(x, memory_format=torch.channels_last)
+    dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
+    return dx, torch.empty_like(weight), torch.empty_like(bias), dr
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, mean, invstd, relu = inputs
+    y = output
+    ctx.mask = _mask_kind(relu, residual is not None)
+    ctx.has_res = residual is not None
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    # y only where the mask is read from it: without a ReLU (the downsample's BatchNorm) or with
+    # the mask recomputed, keeping it would hold the tensor alive for the whole backward pass
+    ctx.save_for_backward(x, y if ctx.mask == MASK_FROM_OUTPUT else None, mean, invstd, weight, bias)
+
+
+def _backward_rule(ctx, dy, dy2=None):
+    # the whole gradient of x, through the statistics too: mean and invstd get none
+    x, y, mean, invstd, weight, bias = ctx.saved_tensors
+    dx, dw, db, dr = bn_act_backward(dy, dy2, x, y, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
+    if ctx.has_res and dr.dtype != ctx.residual_dtype:
+        dr = dr.to(ctx.residual_dtype)
+    return dx, dw, db, (dr if ctx.has_res else None), None, None, None
+
+
+bn_act_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class _ForkedBnAct(torch.autograd.Function):
+    """:func:`bn_act_op` with its output returned twice (one tensor and a view of it), for a block
+    output that two layers read: the next block's first convolution and its shortcut. Autograd
+    would sum their two gradients in a pass of its own (read two, write one) before the backward
+    read the sum twice; apart, the backward's kernels add them in float32 as they load them: one
+    pass over the tensor fewer. The arithmetic is bn_act_op's; only that sum is no longer rounded
+    to the activations' dtype first. (A custom op may not return aliases, hence a Function.)
+    Autograd hands an unused output's gradient in as zeros: right, one read dearer. Neither output
+    may be changed in place (autograd refuses it: one is a view of the other); the fused blocks
+    never do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, mean, invstd, relu):
+        y = bn_act_op(x, weight, bias, residual, mean, invstd, relu)
+        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu), y)
+        return y, y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy, dy2):
+        return _backward_rule(ctx, dy, dy2)
+
+
+def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
+           relu: bool = True, fork: bool = False):
+    """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`;
+    with ``fork``, as a pair (for the next block's convolution, for its shortcut) whose two
+    gradients the backward adds itself (:class:`_ForkedBnAct`)."""
+    if not takes(x, bn) or (residual is not None and residual.dtype != x.dtype):  # torch would promote
+        out = bn(x)
+        if residual is not None:
+            out = out + residual
+        out = F.relu(out) if relu else out
+        return (out, out) if fork else out
+    bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
+    mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    if fork:
+        return _ForkedBnAct.apply(x, bn.weight, bn.bias, residual, mean, invstd, relu)
+    return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
+
+
+def _block_input(x) -> tuple:
+    """A block's input as (for its first convolution, for its shortcut): a forked pair or one tensor."""
+    return x if isinstance(x, tuple) else (x, x)
+
+
+def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    ds = block.downsample
+    if ds is None:
+        return x
+    if isinstance(ds, nn.Sequential) and len(ds) == 2 and isinstance(ds[1], nn.BatchNorm2d):
+        return bn_act(ds[0](x), ds[1], relu=False)
+    return ds(x)
+
+
+class FusedBasicBlock(BasicBlock):
+    """torchvision's BasicBlock with its BatchNorms, add and ReLUs through :func:`bn_act`; with
+    ``fork_output`` (set by :func:`fuse_resnet` where another block follows) its output is a forked
+    pair, and its input may be one."""
+
+    fork_output = False
+
+    def forward(self, x):
+        x, shortcut = _block_input(x)
+        out = bn_act(self.conv1(x), self.bn1)
+        return bn_act(self.conv2(out), self.bn2, residual=_downsample(self, shortcut), fork=self.fork_output)
+
+
+class FusedBottleneck(Bottleneck):
+    """torchvision's Bottleneck with its BatchNorms, add and ReLUs through :func:`bn_act`; forked
+    output and input as :class:`FusedBasicBlock`'s."""
+
+    fork_output = False
+
+    def forward(self, x):
+        x, shortcut = _block_input(x)
+        out = bn_act(self.conv1(x), self.bn1)
+        out = bn_act(self.conv2(out), self.bn2)
+        return bn_act(self.conv3(out), self.bn3, residual=_downsample(self, shortcut), fork=self.fork_output)
+
+
+class FusedResNet(ResNet):
+    """torchvision's ResNet with the stem's BatchNorm and ReLU through :func:`bn_act`."""
+
+    def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(bn_act(self.conv1(x), self.bn1))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def fuse_resnet(model: nn.Module) -> nn.Module:
+    """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
+    place: every module, parameter and buffer keeps its name, so the state dict is unchanged. In a
+    whole ResNet every block but the last forks its output (the next block reads it twice), so
+    a layer's output (layer1-layer3, or a block's) is a pair of one tensor: (output, a view of it)."""
+    swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
+    for module in model.modules():
+        if type(module) in swaps:
+            module.__class__ = swaps[type(module)]
+    if isinstance(model, FusedResNet):  # its blocks run one after another: layer1's first .. layer4's last
+        blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+        fused = (FusedBasicBlock, FusedBottleneck)
+        for block, following in zip(blocks, blocks[1:]):  # a pair only for a block that takes one
+            if isinstance(block, fused):
+                block.fork_output = isinstance(following, fused)
+    return model
+
+
+def uses_bn_kernels(model: nn.Module) -> bool:
+    return any(isinstance(m, (FusedResNet, FusedBasicBlock, FusedBottleneck)) for m in model.modules())

@@ -1,0 +1,199 @@
+"""Architecture registry: torchvision's ResNet family by name, a small-input stem, starting weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torchvision
+
+from ..base.config import ARCHS
+from ..base.errors import UserError
+from ..base.torch_private import inductor_tune_kernels
+from ..base.wrappers import strip_prefix, unwrap
+from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels
+from ..kernels.fusedbn import available as bn_kernels_available
+from ..kernels.maxpool import StemMaxPool, is_stem_pool
+from ..kernels.maxpool import available as maxpool_kernels_available
+
+logger = logging.getLogger(__name__)
+
+
+def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False,
+                 bn_kernels: bool = False) -> nn.Module:
+    """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
+    its max-pool computed by :mod:`imagenet.kernels.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
+    with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s (same state dict either way)."""
+    if arch not in ARCHS:
+        raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+    if small_stem:
+        # Low-resolution images (28-64 px) lose most of their pixels to the 7x7/2 conv and the
+        # max-pool; a 3x3/1 conv without pooling keeps the feature maps large enough to learn.
+        width = model.conv1.out_channels
+        model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
+    elif stem_kernels and is_stem_pool(model.maxpool):
+        model.maxpool = StemMaxPool()
+    if bn_kernels:
+        fuse_resnet(model)
+    return model
+
+
+def has_stem_kernels(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model's max-pool runs on :mod:`imagenet.kernels.maxpool`'s kernels."""
+    return any(isinstance(m, StemMaxPool) for m in unwrap(model).modules())
+
+
+def has_fused_bn(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model's BatchNorms run on :mod:`imagenet.kernels.fusedbn`'s kernels."""
+    return uses_bn_kernels(unwrap(model))
+
+
+def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small_stem: bool) -> bool:
+    """Whether ``--maxpool-kernel kind`` puts the stem's max-pool on the Triton kernels here;
+    ``triton`` where they cannot run is a UserError (``auto`` then quietly uses torch's)."""
+    if kind == "torch" or small_stem:
+        return False
+    runs = device.type == "cuda" and maxpool_kernels_available()
+    if kind == "triton" and not runs:
+        why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
+        raise UserError(f"--maxpool-kernel triton needs a CUDA GPU and Triton; {why}: use --maxpool-kernel auto")
+    return runs and channels_last
+
+
+def use_bn_kernels(kind: str, device: torch.device) -> bool:
+    """Whether ``--bn-kernel kind`` runs the fused BatchNorm kernels here (a UserError where it asks
+    for them and they cannot run). Triton's interpreter (TRITON_INTERPRET=1) runs them on a CPU."""
+    if kind == "torch":
+        return False
+    if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and bn_kernels_available()):
+        why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
+        raise UserError(f"--bn-kernel triton needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
+    try:
+        LAUNCH.update(launch_override(os.environ.get(LAUNCH_ENV)))
+    except ValueError as e:
+        raise UserError(f"{e}; or unset {LAUNCH_ENV}") from None
+    return True
+
+
+def load_weights_into(model: nn.Module, state_dict: dict, source: str) -> dict:
+    """Load a (possibly prefixed) state dict; returns it as loaded (see :func:`fit_state_dict`)."""
+    state_dict = fit_state_dict(model, state_dict, source)
+    model.load_state_dict(state_dict)
+    return state_dict
+
+
+def fit_state_dict(model: nn.Module, state_dict: dict, source: str) -> dict:
+    """Check a (possibly prefixed) state dict against ``model``; a classifier of another class
+    count is replaced by the model's own (fresh) one.
+
+    Anything else that does not match is an error naming the offending keys: silently keeping
+    random layers would train a different model than the user asked for. Returns the state
+    dict ready to load (prefixes stripped, gaps filled).
+    """
+    state_dict = strip_prefix(state_dict)
+    own = model.state_dict()
+    fc_keys = [k for k in ("fc.weight", "fc.bias") if k in state_dict and k in own]
+    if fc_keys and state_dict["fc.weight"].shape != own["fc.weight"].shape:
+        logger.info("%s: classifier has %d classes, the dataset %d; the final layer starts fresh",
+                    source, state_dict["fc.weight"].shape[0], own["fc.weight"].shape[0])
+        state_dict = {k: v for k, v in state_dict.items() if k not in fc_keys}
+        state_dict.update({k: own[k] for k in fc_keys})
+    # Older checkpoints (torchvision's V1 weights among them) predate BatchNorm's step counter.
+    for k in own:
+        if k.endswith("num_batches_tracked") and k not in state_dict:
+            state_dict[k] = own[k]
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        detail = []
+        if missing:
+            detail.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            detail.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+        raise UserError(f"weights in {source} do not fit this model: {'; '.join(detail)}; "
+                        "check -a/--arch and --small-stem match the run that saved them")
+    bad = [k for k, v in state_dict.items() if hasattr(v, "shape") and v.shape != own[k].shape]
+    if bad:
+        k = bad[0]
+        raise UserError(f"weights in {source} do not fit this model: {k} has shape "
+                        f"{tuple(state_dict[k].shape)}, the model {tuple(own[k].shape)}; "
+                        "check -a/--arch and --small-stem")
+    return state_dict
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """One of torchvision's ImageNet weight sets for an architecture, and how it was evaluated."""
+
+    arch: str
+    name: str  # e.g. IMAGENET1K_V2 (DEFAULT resolved)
+    url: str
+    resize: int  # evaluation transform: shorter side resized to this, bilinear, antialiased ...
+    crop: int  # ... then centre-cropped to this
+    acc1: float  # torchvision's published ImageNet-1K Acc@1 at that geometry
+
+
+def pretrained_weights(arch: str, name: str = "DEFAULT") -> PretrainedWeights:
+    """torchvision's weights ``name`` for ``arch`` (``DEFAULT``, ``IMAGENET1K_V1``, or the qualified
+    ``ResNet50_Weights.IMAGENET1K_V2``); an unknown name lists the valid ones."""
+    enum = torchvision.models.get_model_weights(arch)
+    qualifier, _, member = name.rpartition(".")
+    wanted = member.upper() if qualifier in ("", enum.__name__) else None
+    members = {m.name: m for m in enum}
+    if wanted == "DEFAULT":
+        weights = enum.DEFAULT
+    elif wanted in members:
+        weights = members[wanted]
+    else:
+        default = enum.DEFAULT.name
+        # argparse took a lower-case word after --pretrained for a name: a dataset folder that is not there?
+        hint = f" (if {name} is the dataset folder, it does not exist)" if name == name.lower() else ""
+        raise UserError(f"--pretrained {name}: {arch} has no such torchvision weights{hint}; choose one of "
+                        f"{', '.join(sorted(members))}, or DEFAULT ({default})")
+    evaluation = weights.transforms()
+    return PretrainedWeights(arch, weights.name, weights.url, int(evaluation.resize_size[0]),
+                             int(evaluation.crop_size[0]), float(weights.meta["_metrics"]["ImageNet-1K"]["acc@1"]))
+
+
+def pretrained_state_dict(weights: PretrainedWeights) -> dict:
+    """The state dict of ``weights`` from the local torch hub cache (never downloads)."""
+    filename = os.path.basename(weights.url)
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", filename)
+    if not os.path.isfile(path):
+        raise UserError(f"--pretrained needs torchvision's {weights.arch} {weights.name} weights, which are not "
+                        f"cached at {path}; this trainer never downloads: copy {filename} there "
+                        "(or set TORCH_HOME), or use --weights PATH")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cached pretrained weights {path} could not be read ({type(e).__name__}); "
+                        "delete the file and copy it again")
+
+
+def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False) -> nn.Module:
+    """``torch.compile`` the (wrapped) training model unless ``mode`` is ``off``.
+
+    Under DDP the DDP wrapper itself is compiled, so the graph is split at gradient-bucket
+    boundaries and all-reduces still overlap the backward pass. DataParallel re-replicates the
+    module on every forward, which compiled modules do not survive: it is refused.
+    ``reduce-overhead`` also captures the forward and backward in CUDA graphs (static shapes:
+    the trainer drops the last partial batch, so every training step has the same shape).
+    ``tune`` (``--tune-kernels``): Inductor tunes every generated kernel's block sizes and warps by
+    coordinate descent, timing them on the first steps (minutes, cached on disk for later runs).
+    """
+    if mode == "off":
+        return model
+    if parallel == "dp":
+        raise UserError("--compile does not work with DataParallel; run one process per GPU instead: "
+                        "python -m multiproc main.py ... --compile " + mode)
+    if not hasattr(torch, "compile"):
+        raise UserError(f"--compile needs torch >= 2.0; this is torch {torch.__version__}: drop --compile")
+    if tune:
+        inductor_tune_kernels()
+    return torch.compile(model, mode=None if mode == "default" else mode)

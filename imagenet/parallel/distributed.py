@@ -1,0 +1,417 @@
+"""Where and how a run executes: one decision, carried through the run as a :class:`DistContext`.
+
+Launch modes, decided once in :func:`setup`:
+
+* ``cpu``   -- no GPU is visible.
+* ``gpu``   -- one visible GPU, or ``--gpu N``.
+* ``dp``    -- several visible GPUs and no distributed environment: DataParallel, as the
+  reference script does (``CUDA_VISIBLE_DEVICES=0,1 python main.py DIR``).
+* ``ddp``   -- a distributed environment (torchrun / ``python -m multiproc`` variables, SLURM's,
+  or ``--world-size/--rank/--dist-url``): DistributedDataParallel, one device per process.
+
+Under ``srun`` (one task per GPU) nothing needs setting up: without MASTER_ADDR/MASTER_PORT the
+rendezvous is the first host of the job's node list on a port derived from the job id, the same
+for every task of the job and different between jobs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..base.errors import UserError
+from .dataparallel import DataParallel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DistContext:
+    """Everything about devices and processes that the rest of the run needs to know."""
+
+    mode: str  # cpu | gpu | dp | ddp
+    device: torch.device
+    reason: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: Optional[str] = None
+    device_ids: list = field(default_factory=list)
+    # Times an elastic launcher (multiproc --max-restarts, torchrun) restarted the process group
+    # after a failure, so far in this launch (TORCHELASTIC_RESTART_COUNT); > 0: resume from the
+    # newest checkpoint.
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode == "ddp"
+
+    @property
+    def n_devices(self) -> int:
+        """Devices that share one global batch in this process's view (DP) or across ranks (DDP)."""
+        return len(self.device_ids) if self.mode == "dp" else self.world_size
+
+    def describe(self) -> str:
+        if self.mode == "ddp":
+            return (f"DistributedDataParallel, rank {self.rank} of {self.world_size} "
+                    f"({self.backend}, {self.device}) -- {self.reason}")
+        if self.mode == "dp":
+            return f"DataParallel over cuda:{self.device_ids} -- {self.reason}"
+        return f"single {self.device} -- {self.reason}"
+
+
+def _env_int(env: dict, name: str) -> Optional[int]:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer")
+
+
+def distributed_env(cfg, env: Optional[dict] = None) -> Optional[dict]:
+    """Rank/world/local rank from torchrun-style, SLURM or the classic flags; None if not distributed."""
+    env = dict(os.environ if env is None else env)
+    rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    if rank is not None or world is not None:
+        if rank is None or world is None:
+            raise UserError("RANK and WORLD_SIZE must be set together (as torchrun and "
+                            "python -m multiproc do); unset the stray one")
+        local = _env_int(env, "LOCAL_RANK")
+        return _checked(rank, world, rank if local is None else local, "RANK/WORLD_SIZE environment")
+    s_world = _env_int(env, "SLURM_NTASKS")
+    if s_world is not None and s_world > 1 and cfg.world_size == -1:
+        rank = _env_int(env, "SLURM_PROCID") or 0
+        local = _env_int(env, "SLURM_LOCALID") or 0
+        return _checked(rank, s_world, local, SLURM_SOURCE)
+    if cfg.world_size >= 1 and (cfg.world_size > 1 or cfg.dist_url != "env://"):
+        if cfg.rank < 0:
+            raise UserError(f"--world-size {cfg.world_size} needs --rank (this process's rank, "
+                            f"0..{cfg.world_size - 1})")
+        local = cfg.gpu if cfg.gpu is not None else 0
+        return _checked(cfg.rank, cfg.world_size, local, "--world-size/--rank flags")
+    return None
+
+
+SLURM_SOURCE = "SLURM task environment"
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 10000, 20000  # ports 10000-29999: below Linux's ephemeral range
+
+
+def slurm_master(env: dict) -> tuple:
+    """(MASTER_ADDR, MASTER_PORT) for a SLURM job step: the environment's when set, else the first
+    host of the step's (or job's) node list, where task 0 runs, and a port from the job id."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr:
+        name = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(v)), None)
+        if name is None:
+            raise UserError("SLURM_NTASKS > 1 but no SLURM_JOB_NODELIST to find the first node in; run under "
+                            "srun, or set MASTER_ADDR and MASTER_PORT")
+        try:
+            addr = first_node(env[name])
+        except ValueError as e:
+            raise UserError(f"{name}={env[name]!r} is not a SLURM node list ({e}); set MASTER_ADDR to the "
+                            "first node's address")
+    if not port:
+        job = _env_int(env, "SLURM_JOB_ID")
+        if job is None:
+            raise UserError("SLURM_NTASKS > 1 but no SLURM_JOB_ID to derive the rendezvous port from; "
+                            "set MASTER_PORT")
+        port = str(SLURM_PORT_BASE + job % SLURM_PORT_SPAN)
+    return addr, str(port)
+
+
+def expand_nodelist(nodelist: str) -> list:
+    """Every host of a SLURM node list in its compressed form, in order, as ``scontrol show
+    hostnames`` prints them: ``gpu[01-03,07],cpu5`` -> gpu01 gpu02 gpu03 gpu07 cpu5."""
+    return list(_hosts(nodelist))
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list (``gpu[01-04,07]`` -> ``gpu01``), without scontrol."""
+    return next(_hosts(nodelist))
+
+
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _hosts(nodelist: str):
+    """Hosts of ``nodelist``, lazily; ValueError for text SLURM would not write."""
+    for entry in _split_top_level(nodelist.strip()):
+        parts, pos = [], 0  # literal text and bracket groups, alternating
+        for m in _BRACKETS.finditer(entry):
+            parts += [[entry[pos:m.start()]], _expand_ranges(m.group(1))]
+            pos = m.end()
+        parts.append([entry[pos:]])
+        if any(c in "".join(p[0] for p in parts[::2]) for c in "[]"):
+            raise ValueError(f"unbalanced brackets in {entry!r}")
+        for combo in itertools.product(*parts):
+            yield "".join(combo)
+
+
+def _split_top_level(text: str) -> list:
+    """Split at the commas outside brackets."""
+    entries, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets at character {i}")
+        if c == "," and depth == 0:
+            entries.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("unbalanced brackets")
+    entries.append(text[start:])
+    if any(not e.strip() for e in entries):
+        raise ValueError("an empty host name")
+    return [e.strip() for e in entries]
+
+
+def _expand_ranges(spec: str) -> list:
+    """``01-03,07`` -> ['01', '02', '03', '07']: zero padding as written."""
+    values = []
+    for item in spec.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"[{spec}] is not a list of numbers and ranges")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"range {item} runs backwards")
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+    return values
+
+
+def restart_count(env: Optional[dict] = None) -> int:
+    """How often an elastic launcher restarted this process group after a failure (0: first start)."""
+    env = os.environ if env is None else env
+    count = _env_int(dict(env), "TORCHELASTIC_RESTART_COUNT")
+    return max(count or 0, 0)
+
+
+def _checked(rank: int, world: int, local: int, source: str) -> dict:
+    if world < 1:
+        raise UserError(f"world size must be at least 1 ({source} says {world})")
+    if not 0 <= rank < world:
+        raise UserError(f"rank {rank} is outside 0..{world - 1} for world size {world} ({source}); "
+                        "every process needs a distinct rank below the world size")
+    if local < 0:
+        raise UserError(f"local rank {local} is negative ({source})")
+    return {"rank": rank, "world_size": world, "local_rank": local, "source": source}
+
+
+def setup(cfg) -> DistContext:
+    """Choose the launch mode, pick the device and (for DDP) join the process group."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    denv = distributed_env(cfg)
+    if denv is not None:
+        ctx = _setup_ddp(cfg, denv, n_gpus)
+        ctx.restart_count = restart_count()
+        return ctx
+    if cfg.dist_backend == "nccl" and n_gpus == 0:
+        raise UserError("--dist-backend nccl needs CUDA GPUs and none is visible; "
+                        "use --dist-backend gloo for CPU processes")
+    if cfg.gpu is not None:
+        if cfg.gpu >= n_gpus:
+            raise UserError(f"--gpu {cfg.gpu} asked for, but {n_gpus} GPU(s) are visible"
+                            + (" (check CUDA_VISIBLE_DEVICES)" if n_gpus else "; drop --gpu to train on the CPU"))
+        torch.cuda.set_device(cfg.gpu)
+        return DistContext("gpu", torch.device("cuda", cfg.gpu), f"--gpu {cfg.gpu}")
+    if n_gpus == 0:
+        return DistContext("cpu", torch.device("cpu"), "no CUDA GPU is visible")
+    if n_gpus == 1:
+        torch.cuda.set_device(0)
+        return DistContext("gpu", torch.device("cuda", 0), "one GPU is visible")
+    torch.cuda.set_device(0)
+    return DistContext("dp", torch.device("cuda", 0),
+                       f"{n_gpus} GPUs are visible and no distributed environment is set",
+                       device_ids=list(range(n_gpus)))
+
+
+def _setup_ddp(cfg, denv: dict, n_gpus: int) -> DistContext:
+    backend = cfg.dist_backend or ("nccl" if n_gpus > 0 else "gloo")
+    if backend == "nccl":
+        if n_gpus == 0:
+            raise UserError("--dist-backend nccl needs CUDA GPUs and none is visible; "
+                            "use --dist-backend gloo for CPU processes")
+        if not dist.is_nccl_available():
+            raise UserError("this PyTorch build has no NCCL; install a CUDA build of PyTorch "
+                            "or use --dist-backend gloo")
+    elif backend == "gloo" and not dist.is_gloo_available():
+        raise UserError("this PyTorch build has no gloo backend; use --dist-backend nccl on GPUs")
+    elif backend in ("mpi", "ucc") and not getattr(dist, f"is_{backend}_available")():
+        raise UserError(f"--dist-backend {backend} is not available in this PyTorch build; "
+                        "use nccl (GPUs) or gloo (CPUs)")
+    local = denv["local_rank"]
+    gpu = local
+    if denv["source"] == SLURM_SOURCE and n_gpus == 1:
+        gpu = 0  # srun --gpus-per-task=1 (or --gpu-bind): each task sees its own GPU only, as device 0
+    if n_gpus > 0:
+        if gpu >= n_gpus:
+            how = (f"srun --ntasks-per-node={n_gpus}" if denv["source"] == SLURM_SOURCE
+                   else f"--nproc-per-node {n_gpus}")
+            raise UserError(f"local rank {local} has no GPU: {n_gpus} visible on this node; start "
+                            f"at most {n_gpus} processes per node ({how})")
+        device = torch.device("cuda", gpu)
+        torch.cuda.set_device(device)  # before any CUDA work, so each rank owns its own GPU
+    else:
+        device = torch.device("cpu")
+    if denv["source"] == SLURM_SOURCE and cfg.dist_url.startswith("env://"):
+        # srun without MASTER_*: every task derives the same address and port
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master(os.environ)
+    _check_rendezvous(cfg, denv)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    init_method = cfg.dist_url
+    try:
+        kwargs = {}
+        if device.type == "cuda" and backend == "nccl":
+            kwargs["device_id"] = device  # binds the communicator eagerly; fails fast on bad setups
+        dist.init_process_group(backend=backend, init_method=init_method, rank=denv["rank"],
+                                world_size=denv["world_size"], timeout=timeout, **kwargs)
+    except (RuntimeError, ValueError, OSError) as e:
+        where = _rendezvous_address(cfg)
+        raise UserError(f"could not join the process group at {where} within {cfg.dist_timeout}s "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check that "
+                        "every rank uses the same master address/port and world size and that rank 0 "
+                        "is running")
+    return DistContext("ddp", device, denv["source"], rank=denv["rank"], world_size=denv["world_size"],
+                       local_rank=local, backend=backend)
+
+
+def _rendezvous_address(cfg) -> str:
+    if cfg.dist_url.startswith("env://"):
+        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return cfg.dist_url
+
+
+def _check_rendezvous(cfg, denv: dict) -> None:
+    """Fail fast, with the address, when the rendezvous point cannot work."""
+    url = cfg.dist_url
+    if url.startswith("env://"):
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise UserError(f"{' and '.join(missing)} not set: launch with python -m multiproc or "
+                            "torchrun, or pass --dist-url tcp://HOST:PORT")
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    elif url.startswith("tcp://"):
+        parsed = urlparse(url)
+        host, port = parsed.hostname, parsed.port
+        if not host or not port:
+            raise UserError(f"--dist-url {url} needs a host and a port, e.g. tcp://10.0.0.1:23456")
+    elif url.startswith("file://"):
+        path = url[len("file://"):]
+        # A file left by a crashed run makes the new ranks read old keys and hang or fail.
+        if denv["rank"] == 0 and os.path.exists(path):
+            age = time.time() - os.path.getmtime(path)
+            if age > 60:
+                raise UserError(f"rendezvous file {path} is left over from an earlier run "
+                                f"({age:.0f}s old); delete it or use a new --dist-url file:// path")
+        return
+    else:
+        raise UserError(f"--dist-url {url} is not understood; use env://, tcp://HOST:PORT or file:///PATH")
+    if denv["rank"] == 0:
+        return  # rank 0 hosts the store
+    try:
+        port = int(port)
+    except ValueError:
+        raise UserError(f"master port {port!r} is not a number")
+    deadline = time.monotonic() + cfg.dist_timeout
+    last: Optional[Exception] = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(1.0)
+    raise UserError(f"master {host}:{port} was not reachable within {cfg.dist_timeout}s ({last}); "
+                    "start rank 0 first, and check the address, the port and the firewall")
+
+
+def wrap(model: nn.Module, ctx: DistContext, **ddp_options) -> nn.Module:
+    """Put the (already precision-converted) model on its device and in its parallel wrapper.
+
+    ``ddp_options`` go to DistributedDataParallel (scripts/perf/bench.py tries bucket settings)."""
+    model = model.to(ctx.device)
+    if ctx.mode == "dp":
+        return DataParallel(model, device_ids=ctx.device_ids)  # torch's, with per-GPU threads that persist
+    if ctx.mode == "ddp":
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, **ddp_options)
+    return model
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum a tensor over ranks (in place); no-op outside DDP."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def agree_started(failure: Optional[BaseException], ctx: DistContext) -> None:
+    """Every rank says whether its start-up failed; if any did, every rank stops with a message.
+
+    Call it on every rank before the first collective of the run: a rank that stops alone
+    would leave the others waiting in a collective until ``--dist-timeout``, or failing with
+    a backend traceback when the launcher ends the run.
+    """
+    if ctx.distributed:
+        flag = torch.tensor([ctx.rank + 1 if failure is not None else 0], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = int(flag.item()) - 1
+        if failed >= 0 and failure is None:
+            where = f"GPU_{failed}.log" if failed else "the terminal"
+            raise UserError(f"rank {failed} could not start (its message, in {where} under python -m multiproc, "
+                            f"says why); this rank stops too")
+    if failure is not None:
+        raise failure
+
+
+def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Maximum over ranks (in place); no-op outside DDP."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def cleanup(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for single-node rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,14 @@
+"""A training run: wiring, the loops, the state, and every output.
+
+* ``runner`` -- :func:`run`: launch mode -> data -> training state -> resume -> epochs; the banner.
+* ``engine`` -- the loops: :func:`train_one_epoch`, :func:`validate`, the LR schedule's shape.
+* ``state`` -- :class:`TrainState` (model, optimizer, schedule, precision, weight average) and
+  :class:`Progress`; building and wrapping them.
+* ``ema`` -- the weight average (``--model-ema``).
+* ``resume`` -- loading a checkpoint into the state (``--resume``).
+* ``savepolicy`` -- when a run saves, and what a checkpoint holds.
+* ``runlog`` / ``tblog`` -- config.yaml, metrics.jsonl, TensorBoard, skipped images, the summary.
+
+May import: every layer below it (``data``, ``parallel``, ``models``, ``precision``, ``kernels``,
+``base``).
+"""

@@ -1,0 +1,395 @@
+"""The training and validation loops: plain functions that take what they use by keyword and
+return small results (:class:`TrainResult`, :class:`ValResult`).
+
+The loops never branch on precision (the :mod:`precision` object hides it). On the launch mode
+they branch only where DDP needs it: the reductions of :mod:`distributed`, ``no_sync`` for
+accumulated micro-batches, a zero-weight stand-in batch where a rank's batch is empty, and the
+rate summed over ranks. Device values are read only at print time.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..base.errors import UserError
+from ..base.metrics import AverageMeter, DeviceSums, means
+from ..base.wrappers import ddp_of
+from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum
+
+logger = logging.getLogger(__name__)
+_SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+
+
+@dataclass
+class LoopOptions:
+    """How a loop runs and reports: print frequency and progress display (which change nothing
+    computed), the --prof step limit, the non-finite-loss limit, the stand-in batch's shape, and
+    the gradient-accumulation count."""
+
+    print_freq: int = 10
+    progress: str = "lines"  # bar | lines
+    max_steps: Optional[int] = None  # --prof: stop early
+    max_nonfinite_steps: int = 200
+    input_shape: tuple = (3, 224, 224)  # of one image, for a stand-in batch (see train_one_epoch)
+    accum_steps: int = 1  # loader batches (micro-batches) per optimizer step
+
+
+def _progress(loader, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=len(loader), desc=desc, file=sys.stdout, dynamic_ncols=True, leave=False)
+
+
+def _line(prefix: str, i: int, n: int, batch_time: AverageMeter, data_time: Optional[AverageMeter],
+          cur: dict, avg: dict) -> str:
+    width = len(str(n))
+    parts = [f"{prefix}[{i:>{width}}/{n}]", f"Time {batch_time.val:6.3f} ({batch_time.avg:6.3f})"]
+    if data_time is not None:
+        parts.append(f"Data {data_time.val:6.3f} ({data_time.avg:6.3f})")
+    parts += [f"Loss {cur['loss']:.4e} ({avg['loss']:.4e})",
+              f"Acc@1 {cur['acc1']:6.2f} ({avg['acc1']:6.2f})",
+              f"Acc@5 {cur['acc5']:6.2f} ({avg['acc5']:6.2f})"]
+    return "\t".join(parts)
+
+
+@dataclass
+class TrainResult:
+    """One training epoch (or the part of it this call ran), reduced over ranks where it says."""
+
+    loss: float  # mean over the epoch's images, all ranks (a resumed epoch: the whole epoch)
+    acc1: float
+    acc5: float
+    samples: int  # images trained on, all ranks
+    steps: int  # optimizer steps this call ran
+    skipped_steps: int  # of those, skipped for gradient overflow
+    img_per_s: float  # steady rate, all ranks (Steady.img_per_s times the world size)
+    data_wait_frac: float
+    steady: "Steady"  # this process's steady-state totals, for the run's summary
+    seconds: float
+    skipped_paths: list  # unreadable files this rank met
+    completed: bool  # False: a stop request ended the epoch early
+    steps_done: int  # loader batches of the epoch consumed (the unreadable ones included)
+    sums: list  # metric sums so far, all ranks (metrics.DeviceSums.raw), for a mid-epoch checkpoint
+
+
+@dataclass
+class ValResult:
+    loss: float
+    acc1: float
+    acc5: float
+    samples: int
+    skipped_paths: list
+
+    def to_dict(self) -> dict:
+        return {"val_loss": self.loss, "val_acc1": self.acc1, "val_acc5": self.acc5, "val_samples": self.samples}
+
+
+def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOptions,
+                    stop: Callable[[], bool] = lambda: False, on_step: Optional[Callable] = None) -> TrainResult:
+    """One pass over the training loader (device-ready batches) with ``state`` (an
+    :class:`imagenet.training.state.TrainState`), from where ``progress`` (an
+    :class:`imagenet.training.state.Progress`) says; returns the reduced metrics.
+
+    Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
+    gradients add up (each loss divided by the count, so the step sees the mean over all of
+    them) and, under DDP, are all-reduced once, with the last one. ``progress.step`` batches of
+    the epoch were done before (the loader already skips them) and ``progress.sums`` holds
+    their metric sums (over all ranks), so a resumed epoch reports the whole epoch. After each
+    optimizer step ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints; ``sums``
+    is a function returning the sums so far) and ``stop()`` may end the epoch early
+    (preemption; the result then says ``completed=False``). ``state.ema`` follows every
+    optimizer step; ``state.mixer`` turns batches into mixup/cutmix ones with soft labels.
+    """
+    precision, epoch, start_step, accum = state.precision, progress.epoch, progress.step, opts.accum_steps
+    state.model.train()
+    sums = DeviceSums(ctx.device)
+    if progress.sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
+        sums.seed(progress.sums)
+    nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
+    group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
+    batch_time, data_time = AverageMeter(), AverageMeter()
+    skipped_paths: list = []
+    total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
+    n = total if opts.max_steps is None else min(total, opts.max_steps)
+    bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
+    steps, skipped_before, last_good, group_has_data = 0, precision.skipped_steps, None, False
+    completed, done = True, start_step
+    rate = SteadyRate(ctx.device, warm_steps=min(WARM_STEPS, (n - start_step) // accum // 5))
+    start = end = time.perf_counter()
+    rate.asking()
+    for i, (images, targets, bad) in enumerate(loader, start=start_step):
+        if i >= n:
+            break
+        done = i + 1  # batches of this epoch consumed, the unreadable ones included
+        last_micro = done % accum == 0
+        skipped_paths += bad
+        waited = time.perf_counter() - end
+        data_time.update(waited)
+        rate.add(targets.numel(), waited)
+        images, targets, weight, last_good = _trainable(images, targets, bad, last_good, ctx, opts)
+        if images is not None:
+            group_has_data = True
+            loss, output = _forward_backward(state, images, targets, weight, accum, sync=last_micro)
+            if weight:
+                sums.add(loss, output, targets)
+            group_nonfinite |= ~torch.isfinite(loss.detach())
+        if last_micro and group_has_data:
+            group_has_data = False
+            # consecutive optimizer steps with a NaN/inf loss (any of their passes)
+            nonfinite_run = (nonfinite_run + 1) * group_nonfinite
+            group_nonfinite.zero_()
+            _optimizer_step(state, first=steps == 0)
+            steps += 1
+            rate.stepped(steps)
+        batch_time.update(time.perf_counter() - end)
+        end = time.perf_counter()
+        rate.asking()
+        if bar is not None:
+            bar.update(1)
+        if i % opts.print_freq == 0 or i == n - 1:
+            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+            avg = sums.totals(ctx, all_reduce_sum)
+            if bar is not None:
+                bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
+            elif ctx.is_main:
+                logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
+        if not last_micro:
+            continue  # checkpoints and stops only between optimizer steps
+        if on_step is not None:
+            on_step(i + 1, lambda: sums.raw(ctx, all_reduce_sum))
+        if i + 1 < n and stop():
+            completed = False
+            break
+    if bar is not None:
+        bar.close()
+    steady = rate.finish()
+    elapsed = time.perf_counter() - start
+    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+    partial = sums.raw(ctx, all_reduce_sum)
+    totals = means(partial)
+    return TrainResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
+                       steps=steps, skipped_steps=precision.skipped_steps - skipped_before,
+                       img_per_s=steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
+                       data_wait_frac=steady.data_wait_frac, steady=steady, seconds=elapsed,
+                       skipped_paths=skipped_paths, completed=completed, steps_done=done, sums=partial)
+
+
+def _trainable(images, targets, bad: list, last_good: Optional[tuple], ctx: DistContext, opts: LoopOptions) -> tuple:
+    """(images or None, targets, loss weight, the last good batch) for a loader batch.
+    Unreadable files can empty a batch, or leave one image, which BatchNorm cannot train on
+    when the last feature map is 1x1: such a batch is left out; under DDP, where the other ranks
+    wait for this rank's gradients, it takes part as a zero-weight stand-in."""
+    if targets.numel() == 0 or (targets.numel() == 1 and bad):
+        if not ctx.distributed:
+            return None, targets, 1.0, last_good
+        images, targets = last_good or _stand_in_batch(opts.input_shape, ctx.device)
+        return images, targets, 0.0, last_good
+    return images, targets, 1.0, (images, targets)
+
+
+def _forward_backward(state, images, targets, weight: float, accum: int, sync: bool) -> tuple:
+    """One micro-batch's forward and backward pass (mixed first, with ``state.mixer``); under
+    DDP the gradients are all-reduced only with ``sync``. Returns (weighted loss, logits)."""
+    labels = targets
+    if state.mixer is not None and weight:
+        images, labels = state.mixer(images, targets)
+    with _grad_sync(state.model, sync):
+        output = state.precision.forward(state.model, images)
+        loss = state.train_criterion(output, labels) * weight
+        state.precision.backward(loss if accum == 1 else loss / accum)
+    return loss, output
+
+
+def _optimizer_step(state, first: bool) -> None:
+    stepped = state.precision.step(state.optimizer)  # a device flag: False when the step was skipped
+    if state.ema is not None:
+        state.ema.update(stepped)
+    _schedule(state.scheduler, first=first)
+
+
+WARM_STEPS = 10  # optimizer steps of each epoch left out of its rate: compilation, cuDNN's search, workers' start
+
+
+@dataclass
+class Steady:
+    """The steady part of an epoch, in this process: images, seconds and seconds spent waiting for input."""
+
+    images: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0
+
+    def __add__(self, other: "Steady") -> "Steady":
+        """These totals and another epoch's."""
+        return Steady(self.images + other.images, self.seconds + other.seconds, self.waited + other.waited)
+
+    @property
+    def img_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def data_wait_frac(self) -> float:
+        return min(self.waited / self.seconds, 1.0) if self.seconds > 0 else 0.0
+
+
+class SteadyRate:
+    """Times the training loop after its first ``warm_steps`` optimizer steps.
+
+    The clock starts and stops after waiting for the device (twice an epoch, never per step), so
+    the span holds exactly the steps' device work. The input wait is the time the device sat idle
+    for want of the next batch: on a GPU, between an event recorded when the loop asks the loader
+    for a batch (it completes when the previous step's work is done) and one recorded once the
+    batch is there (after the waits for its copy or decode on the input streams). The host's own
+    wait would overstate it wherever the device is still busy with queued work (CUDA graphs
+    leave the host idle most of each step). The events are read once done, never waited for.
+    On a CPU the device is the host: its wait for the loader.
+    """
+
+    def __init__(self, device: torch.device, warm_steps: int):
+        self.device, self.warm = device, warm_steps
+        self.totals = Steady()
+        self.cuda = device.type == "cuda"
+        self.asked: Optional[torch.cuda.Event] = None  # recorded when the loop asked for the batch
+        self.gaps: collections.deque = collections.deque()  # (asked, arrived) events not yet read
+        self.started: Optional[float] = self._sync() if warm_steps == 0 else None
+
+    def _sync(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _event(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def asking(self) -> None:
+        """The loop is about to ask the loader for its next batch."""
+        if self.cuda and self.started is not None:
+            self.asked = self._event()
+
+    def add(self, images: int, waited: float) -> None:
+        """A batch of ``images`` arrived after ``waited`` seconds (host time)."""
+        if self.started is None:
+            return
+        self.totals.images += images
+        if not self.cuda:
+            self.totals.waited += waited
+        elif self.asked is not None:
+            self.gaps.append((self.asked, self._event()))
+            self.asked = None
+            while self.gaps and self.gaps[0][1].query():  # read the ones already done; never wait
+                self._read(*self.gaps.popleft())
+
+    def _read(self, asked, arrived) -> None:
+        self.totals.waited += asked.elapsed_time(arrived) / 1000.0
+
+    def stepped(self, steps: int) -> None:
+        if steps == self.warm and self.started is None:
+            self.started = self._sync()
+
+    def finish(self) -> Steady:
+        if self.started is None:  # an epoch (or a resumed remainder) shorter than the warm-up
+            return self.totals
+        self.totals.seconds = self._sync() - self.started
+        while self.gaps:
+            self._read(*self.gaps.popleft())
+        return self.totals
+
+
+def _grad_sync(model: nn.Module, sync: bool):
+    """DDP's ``no_sync()`` for micro-batches whose gradients are still being accumulated."""
+    ddp = ddp_of(model)
+    return ddp.no_sync() if ddp is not None and not sync else contextlib.nullcontext()
+
+
+def _schedule(scheduler, first: bool) -> None:
+    if not first:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        # A skipped (overflowing) first step makes torch warn that the schedule runs ahead of
+        # the optimizer; stepping it every iteration regardless is the intent.
+        warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
+        scheduler.step()
+
+
+def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
+    # Two images, so BatchNorm in training mode has more than one value per channel.
+    return torch.zeros((2, *shape), device=device), torch.zeros(2, dtype=torch.long, device=device)
+
+
+def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) -> None:
+    # The worst rank decides, so that every rank stops at the same step instead of one waiting.
+    run = all_reduce_max(run.clone(), ctx)
+    if limit and int(run) > limit:
+        raise UserError(f"the loss has been NaN/inf for {int(run)} steps in a row ({precision.name}); "
+                        "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
+                        "or raise --max-nonfinite-steps (0 disables this check)")
+
+
+@torch.no_grad()
+def validate(*, model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
+             opts: LoopOptions, name: str = "") -> ValResult:
+    """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
+    # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
+    # (the eager one when the DDP wrapper was compiled).
+    ddp = ddp_of(model)
+    net = ddp.module if ddp is not None else model
+    net.eval()
+    sums = DeviceSums(ctx.device)
+    batch_time = AverageMeter()
+    skipped_paths: list = []
+    n = len(loader) if opts.max_steps is None else min(len(loader), opts.max_steps)
+    bar = _progress(loader, opts.progress == "bar" and ctx.is_main, "Test")
+    end = time.perf_counter()
+    for i, (images, targets, bad) in enumerate(loader):
+        if i >= n:
+            break
+        skipped_paths += bad
+        if targets.numel() == 0:
+            continue
+        output = precision.forward(net, images)
+        loss = criterion(output, targets)
+        sums.add(loss, output, targets)
+        batch_time.update(time.perf_counter() - end)
+        end = time.perf_counter()
+        if bar is not None:
+            bar.update(1)
+        elif ctx.is_main and (i % opts.print_freq == 0 or i == n - 1):
+            # Per-rank numbers here: reducing would need every rank at the same step.
+            logger.info(_line("Test: ", i, n, batch_time, None, sums.last_batch(), sums.totals()))
+    if bar is not None:
+        bar.close()
+    totals = sums.totals(ctx, all_reduce_sum)
+    if ctx.is_main:
+        logger.info(f" * Acc@1 {totals['acc1']:.3f} Acc@5 {totals['acc5']:.3f}" + (f" ({name})" if name else ""))
+    return ValResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
+                     skipped_paths=skipped_paths)
+
+
+def lr_lambda(schedule: str, epochs: int, iters_per_epoch: int, warmup_epochs: float,
+              step_epochs: int, gamma: float) -> Callable[[int], float]:
+    """LR multiplier per iteration: linear warm-up, then step decay or cosine to zero."""
+    total = max(epochs * iters_per_epoch, 1)
+    warmup = int(round(warmup_epochs * iters_per_epoch))
+
+    def factor(it: int) -> float:
+        if it < warmup:
+            return (it + 1) / warmup
+        if schedule == "cosine":
+            progress = (it - warmup) / max(total - warmup, 1)
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return gamma ** ((it // iters_per_epoch) // step_epochs)
+    return factor

@@ -1,0 +1,83 @@
+"""``--resume``: check that a checkpoint belongs to this run, load it into the training state,
+and say where the run continues. What a checkpoint holds is :mod:`imagenet.training.savepolicy`'s."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..base import checkpoint as ckpt_io
+from ..base.errors import UserError
+from ..base.wrappers import strip_prefix, unwrap
+from ..models.registry import fit_state_dict
+from .state import Progress, TrainState
+
+logger = logging.getLogger("imagenet")
+
+# Optimisation settings a resumed run takes from its command line, not from the checkpoint.
+RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "lr_step", "lr_gamma", "warmup_epochs",
+                    "batch_size", "accum_steps")
+
+
+def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Progress:
+    """Load ``path`` into ``state`` (with ``-e``: the weights only) and this rank's RNG states;
+    returns the run's progress from it."""
+    ckpt = ckpt_io.read_checkpoint(path)
+    ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
+    weights = strip_prefix(ckpt["state_dict"])
+    _check_same_run(ckpt, weights, path, cfg, num_classes)
+    weights = fit_state_dict(unwrap(state.model), weights, path)
+    progress = Progress()
+    progress.load_state_dict(ckpt)
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(cfg.output_dir):
+        progress.record = None  # another folder's checkpoint: its last metrics row is not this run's
+    if cfg.evaluate:  # evaluation needs the weights only
+        state.load_weights(weights)
+        return Progress(progress.epoch, 0, progress.best_acc1)
+    try:
+        state.load_state_dict({**ckpt, "state_dict": weights})
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"optimizer state in {path} does not fit this run ({e}); resume with the same "
+                        "--no-bn-weight-decay setting it was saved with, or start from it with --weights")
+    _restore_rng(ckpt, ctx)
+    saved = ckpt.get("config") or {}
+    for key in RESUME_OVERRIDES:
+        if key in saved and saved[key] != getattr(cfg, key):
+            logger.info("=> resume: --%s %s replaces the checkpoint's %s", key.replace("_", "-"), getattr(cfg, key),
+                        saved[key])
+    saved_batch, saved_accum = saved.get("batch_size", cfg.batch_size), saved.get("accum_steps", 1)
+    if progress.step and (saved_batch, saved_accum) != (cfg.batch_size, cfg.accum_steps):
+        logger.warning("=> %s stopped mid-epoch at batch size %s with %s accumulation step(s); with -b %d and "
+                       "--accum-steps %d the epoch restarts from its beginning", path, saved_batch, saved_accum,
+                       cfg.batch_size, cfg.accum_steps)
+        progress = progress.at_step(0, None)
+    logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, progress.epoch,
+                f", step {progress.step}" if progress.step else "", progress.best_acc1)
+    return progress
+
+
+def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int) -> None:
+    arch = ckpt.get("arch", cfg.arch)
+    if arch != cfg.arch:
+        raise UserError(f"{path} was trained as {arch}, not -a {cfg.arch}; pass -a {arch} to resume it")
+    saved_classes = ckpt.get("num_classes")
+    if saved_classes is not None and int(saved_classes) != num_classes:
+        raise UserError(f"{path} was trained on {saved_classes} classes, this dataset has {num_classes}; "
+                        "--resume continues the same run: to fine-tune from it use --weights")
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.shape[0] != num_classes:
+        raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
+                        "--resume continues the same run: to fine-tune from it use --weights")
+
+
+def _restore_rng(ckpt: dict, ctx) -> None:
+    per_rank = ckpt.get("rng_per_rank") or []
+    if len(per_rank) == ctx.world_size:
+        ckpt_io.restore_rng(per_rank[ctx.rank])
+    else:
+        # Another world size than the saved run's: rank 0's state, and distinct streams per rank.
+        ckpt_io.restore_rng(ckpt.get("rng"))
+        if ctx.rank:
+            torch.manual_seed(torch.initial_seed() + ctx.rank)

@@ -1,0 +1,353 @@
+"""Wiring: dist -> data -> training state -> resume -> epochs.
+
+:func:`execute` runs what :func:`imagenet.cli.main` (``main.py``; ``main`` here too) parsed;
+:func:`run` trains (or evaluates) one process's share.
+A run's state lives in a :class:`imagenet.training.state.TrainState` (model, optimizer, schedule,
+precision, weight average) and a :class:`imagenet.training.state.Progress` (epoch, step, best Acc@1);
+its outputs are written by a :class:`imagenet.training.runlog.RunLog` and its checkpoints by a
+:class:`imagenet.training.savepolicy.CheckpointPolicy`. :func:`_epochs` is the recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..base import checkpoint as ckpt_io
+from ..base.config import Config
+from ..base.errors import UserError, user_error
+from ..base.metrics import EpochRecord
+from ..base.torch_private import set_last_lr
+from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
+from ..data.transforms import ValGeometry, image_size_at, val_geometry
+from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
+from ..parallel import distributed
+from ..parallel.preemption import Preempted, StopRequest
+from ..parallel.spawn import spawn_per_gpu
+from ..precision import Precision, configure_tf32, describe
+from .engine import LoopOptions, Steady, train_one_epoch, validate
+from .resume import resume_from
+from .runlog import RunLog
+from .savepolicy import CheckpointPolicy
+from .state import Progress, TrainState, build_training, wrap_training
+from .tblog import require_tensorboard
+
+logger = logging.getLogger("imagenet")
+
+
+def execute(cfg: Config) -> int:
+    """Run a parsed command line (one process, or one per GPU); user errors become one line and
+    exit status 2, a bug its traceback and status 1."""
+    try:
+        if cfg.multiprocessing_distributed:
+            return spawn_per_gpu(cfg, run)
+        run(cfg)
+        return 0
+    except UserError as e:
+        return user_error(e)
+    except Preempted as e:
+        print(f"=> {e}", flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        # A bug, not a user error: show it, and return so the interpreter can end the data
+        # workers (an exception escaping main could leave them waiting).
+        traceback.print_exc()
+        return 1
+
+
+def _setup_logging(ctx: distributed.DistContext) -> None:
+    log = logging.getLogger("imagenet")
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stdout)
+    prefix = "" if ctx.is_main else f"[rank {ctx.rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if ctx.is_main else logging.WARNING)
+    log.propagate = False
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _prepare_output_dir(path: str, ctx: distributed.DistContext) -> None:
+    if not ctx.is_main:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"--output-dir {path} is not writable ({e.strerror or e}); choose another folder")
+
+
+def _resolve_data_root(cfg: Config) -> Optional[str]:
+    if cfg.dummy:
+        return None
+    if cfg.data:
+        return cfg.data
+    from ..data.prepare import default_cache_dir, ensure_builtin_mnist
+    return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
+
+
+def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, val: ValGeometry, weights) -> None:
+    n_params = sum(p.numel() for p in state.model.parameters())
+    per_dev = per_process_batch(cfg.batch_size, ctx)
+    if ctx.mode == "dp":
+        per_dev = f"~{cfg.batch_size // len(ctx.device_ids)} (split by DataParallel over {len(ctx.device_ids)} GPUs)"
+    elif ctx.distributed:
+        per_dev = f"{per_dev} ({ctx.world_size} processes)"
+    logger.info("=> mode: %s", ctx.describe())
+    if ctx.mode == "dp":
+        logger.info("=> hint: python -m multiproc main.py ... runs one process per GPU (DDP) and is faster")
+    logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d%s",
+                source, len(data.train), len(data.val), len(data.classes), cfg.image_size, val.crop, val.resize,
+                f" ({val.source}; --val-resize overrides)" if val.source else "")
+    logger.info("=> input: %s%s", data.pipeline,
+                "" if cfg.dummy else f"; {cfg.workers} worker{'' if cfg.workers == 1 else 's'}")
+    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
+                n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
+                f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
+                if weights is not None else "")
+    logger.info("=> precision: %s", describe(state.precision, cfg.tf32, ctx.device))
+    kernels = [k for k, on in (("stem max-pool on Triton kernels", has_stem_kernels(state.model)),
+                               ("BatchNorm + add + ReLU fused in Triton", has_fused_bn(state.model)),
+                               ("Inductor tunes its kernels (--tune-kernels; the first steps take minutes)",
+                                cfg.tune_kernels)) if on]
+    if kernels:
+        logger.info("=> kernels: %s", "; ".join(kernels))
+    if ctx.device.type == "cpu" and cfg.precision_name in ("fp16", "amp-fp16"):
+        # Measured on a 2-core x86 CPU, ResNet-18 at 64 px: fp32 0.12 s a step, --fp16 4.5 s,
+        # --amp float16 4.5 s, --amp bfloat16 0.10 s.
+        logger.warning("=> warning: %s on a CPU runs about 36x slower than fp32 (CPUs have no fast float16 "
+                       "arithmetic); --amp --amp-dtype bfloat16 trains in mixed precision at fp32 speed here, "
+                       "or drop %s", "--fp16" if cfg.fp16 else "--amp float16", "--fp16" if cfg.fp16 else "--amp")
+    logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
+                cfg.lr, cfg.lr_schedule, cfg.epochs)
+    if cfg.accum_steps > 1:
+        logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
+                    "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
+
+
+def run(cfg: Config) -> dict:
+    """Train (or with ``--evaluate`` validate) as configured; returns the final summary."""
+    ctx = distributed.setup(cfg)
+    _setup_logging(ctx)
+    try:
+        return _run(cfg, ctx)
+    finally:
+        distributed.cleanup(ctx)
+
+
+@dataclass
+class _Start:
+    """What start-up made: the data, its loaders, the training state and where it begins."""
+
+    data: DataBundle
+    train_loader: object
+    val_loader: object
+    state: TrainState
+    progress: Progress
+    iters: int  # optimizer steps per epoch
+
+
+def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
+    seed = cfg.seed if cfg.seed is not None else 0
+    _seed_everything(seed)  # same model initialisation on every rank
+    if ctx.device.type == "cuda":
+        configure_tf32(cfg.tf32)
+        torch.backends.cudnn.benchmark = not cfg.deterministic
+        torch.backends.cudnn.deterministic = cfg.deterministic
+    # Start-up errors (a flag, the data, the output dir, a checkpoint) may hit one rank only, e.g.
+    # an output dir that only rank 0 writes. Every rank reports before the first collective (DDP's
+    # weight broadcast), so all stop with a message instead of waiting on, or losing, a peer.
+    failure, start = None, None
+    try:
+        start = _start(cfg, ctx, seed)
+    except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
+        failure = e
+    distributed.agree_started(failure, ctx)
+    state, progress = wrap_training(start.state, cfg, ctx), start.progress  # the same objects as start's
+    if not cfg.evaluate and progress.epoch >= cfg.epochs:
+        logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
+                    "further, or use -e to evaluate it)", progress.epoch, cfg.epochs)
+        return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0,
+                "img_per_s": 0.0, "last": {}}
+    # The schedule is a function of the iteration: start it where this epoch begins, also when
+    # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
+    _align_schedule(state.scheduler, progress.epoch * start.iters + progress.step // cfg.accum_steps)
+    display = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
+    opts = LoopOptions(cfg.print_freq, display, cfg.prof * cfg.accum_steps if cfg.prof > 0 else None,
+                       cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
+    if cfg.evaluate:
+        return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
+                        precision=state.precision, ctx=ctx, opts=opts).to_dict()
+    with StopRequest(ctx) as stop, RunLog(cfg, ctx) as log:
+        return _epochs(cfg, ctx, start, opts, stop, log)
+
+
+def _start(cfg: Config, ctx, seed: int) -> _Start:
+    """Everything before the first collective: output folder, data, loaders, the training state
+    (unwrapped) and, with ``--resume``, its checkpoint."""
+    _prepare_output_dir(cfg.output_dir, ctx)
+    if cfg.tensorboard:
+        require_tensorboard()  # every rank, before any collective (rank 0 writes the events)
+    weights = pretrained_weights(cfg.arch, cfg.pretrained) if cfg.pretrained else None
+    val_geo = val_geometry(cfg, weights)
+    root = _resolve_data_root(cfg)
+    data = build_datasets(cfg, root, val_geo, ctx.device)
+    if cfg.dummy:
+        source = "synthetic data (--dummy)"
+    else:
+        source = root if cfg.data else f"built-in MNIST-5k ({root})"
+    if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":
+        raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
+    train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
+    iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
+    iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
+    state = build_training(cfg, ctx, len(data.classes), iters, start=_starting_weights(cfg, weights))
+    if ctx.is_main:
+        _banner(cfg, ctx, data, state, source, val_geo, weights)
+    # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
+    # from here on (none in a plain ResNet) gets a stream of its own on each rank.
+    torch.manual_seed(seed + ctx.rank)
+    progress = Progress()
+    # a process an elastic launcher restarted after a failure continues from the newest checkpoint
+    resume_path = ckpt_io.resolve_resume(cfg.resume, cfg.output_dir, restarted=ctx.restart_count > 0)
+    if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
+        raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
+                        "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
+    if resume_path:
+        progress = resume_from(resume_path, cfg, ctx, state, len(data.classes))
+    if cfg.start_epoch is not None:
+        progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
+    return _Start(data, train_loader, val_loader, state, progress, iters)
+
+
+def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
+    if weights is not None:
+        return pretrained_state_dict(weights), f"torchvision {cfg.arch} {weights.name} weights"
+    if cfg.weights:
+        state = ckpt_io.read_checkpoint(cfg.weights)
+        state = state.get("state_dict", state)
+        if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise UserError(f"--weights {cfg.weights} holds no state dict of tensors; give a model "
+                            "state dict or a checkpoint written by this trainer")
+        return state, cfg.weights
+    return None
+
+
+def _align_schedule(scheduler, iteration: int) -> None:
+    scheduler.last_epoch = iteration
+    lrs = [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    set_last_lr(scheduler, lrs)
+
+
+def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopRequest, log: RunLog) -> dict:
+    """The recipe: per epoch, train (saving every --save-every-steps; a stop signal saves and
+    ends the run), validate (and the weight average), save, report."""
+    state, progress = start.state, start.progress
+    saver = CheckpointPolicy(cfg, ctx, start.data.classes)
+    log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
+    run_start = time.perf_counter()
+    steady, epochs_run, last = Steady(), 0, {}
+    for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
+        epoch_start, lr_start = time.perf_counter(), state.lr
+        size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
+        train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
+                                stop=stop.should_stop, on_step=saver.step_hook(state, progress))
+        if not train.completed:
+            raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
+        val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
+        skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
+                                 len(start.data.train) + len(start.data.val))
+        is_best = saver.is_best(val.acc1, progress)
+        record = EpochRecord(
+            epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
+            train_acc5=train.acc5, train_samples=train.samples, steps=train.steps, skipped_steps=train.skipped_steps,
+            img_per_s=train.img_per_s, data_wait_frac=train.data_wait_frac, train_seconds=train.seconds,
+            val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples,
+            epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
+            loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
+            best_acc1=max(progress.best_acc1, val.acc1), precision=state.precision.name, mode=ctx.mode, image_size=size,
+            world_size=ctx.world_size, restarts=ctx.restart_count, **averaged, **decoded).to_dict()
+        progress = progress.next_epoch(val.acc1, record)
+        steady, epochs_run, last = steady + train.steady, epochs_run + 1, record
+        saver.save(state, progress, is_best)  # first: a metrics line never describes an epoch the checkpoint lacks
+        log.epoch(record, train, state.precision.loss_scale)
+        if cfg.prof > 0:
+            break
+    return log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady)
+
+
+def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> int:
+    """Point the loader at ``progress.epoch`` (its shuffle, the batches already done, the crop
+    size); returns the epoch's training crop size. ``first``: the run's first epoch."""
+    epoch = progress.epoch
+    loader.sampler.set_epoch(epoch)
+    loader.sampler.set_start(progress.step * micro_batch_size(cfg, ctx))
+    size = image_size_at(epoch, cfg)
+    if cfg.progressive_resize:
+        loader.sampler.set_image_size(size)
+        if ctx.is_main and (first or size != image_size_at(epoch - 1, cfg)):
+            logger.info("=> epoch %d: training crops of %d px (--progressive-resize %d -> %d)", epoch, size,
+                        cfg.progressive_resize, cfg.image_size)
+    return size
+
+
+def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
+    """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
+    the images decoded on and off the GPU (``--decode gpu``)."""
+    val = validate(model=state.model, loader=start.val_loader, criterion=state.criterion, precision=state.precision,
+                   ctx=ctx, opts=opts)
+    decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
+    if state.ema is None:
+        return val, {}, decoded
+    # the average is an fp32 model: evaluate it in fp32
+    ema = validate(model=state.ema.model, loader=start.val_loader, criterion=state.criterion, precision=Precision(),
+                   ctx=ctx, opts=opts, name="weight average")
+    start.val_loader.decode_counts()  # the same images again: counted once, above
+    val.skipped_paths += ema.skipped_paths
+    return val, {"val_loss_ema": ema.loss, "val_acc1_ema": ema.acc1, "val_acc5_ema": ema.acc5}, decoded
+
+
+def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
+    """--decode gpu: this epoch's images decoded on the GPUs / on CPUs instead, train and val, all
+    ranks (every rank calls this)."""
+    if cfg.decode != "gpu":
+        return {}
+    counts = [loader.decode_counts() for loader in (train_loader, val_loader)]
+    both = torch.tensor([float(sum(c["gpu"] for c in counts)), float(sum(c["cpu"] for c in counts))],
+                        device=ctx.device)
+    gpu, cpu = distributed.all_reduce_sum(both, ctx).tolist()
+    return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
+
+
+def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int) -> int:
+    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run."""
+    count = torch.tensor([float(len(paths))], device=ctx.device)
+    count = int(distributed.all_reduce_sum(count, ctx).item())
+    log.skipped_images(epoch, paths, count)
+    if total_images and count / total_images > cfg.max_bad_fraction:
+        raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
+                        f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
+    return count

@@ -1,0 +1,66 @@
+"""When a run saves, and what a checkpoint holds: the one writer of ``checkpoint.pth.tar`` and
+``model_best.pth.tar`` (the file I/O itself is :mod:`imagenet.base.checkpoint`'s).
+
+A checkpoint is the training state's ``state_dict()``, the progress's, the RNG states of every
+rank, and the resolved config. Saves happen after each epoch (model_best too when the epoch
+is the best so far), every ``--save-every-steps`` optimizer steps, and when a stop signal ends
+an epoch early. Every rank calls :meth:`CheckpointPolicy.save` (the RNG states are gathered
+from all of them); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from ..base import checkpoint as ckpt_io
+from ..parallel import distributed
+from ..parallel.preemption import Preempted, StopRequest
+from .state import Progress, TrainState
+
+
+class CheckpointPolicy:
+    def __init__(self, cfg, ctx, classes: list):
+        self.cfg, self.ctx, self.classes = cfg, ctx, list(classes)
+
+    def save(self, state: TrainState, progress: Progress, is_best: bool = False) -> None:
+        rng = distributed.gather_objects(ckpt_io.capture_rng(), self.ctx)
+        if not self.ctx.is_main:
+            return
+        checkpoint = {
+            "format_version": ckpt_io.FORMAT_VERSION,
+            "arch": self.cfg.arch,
+            "num_classes": len(self.classes),
+            "classes": self.classes,
+            **state.state_dict(),
+            **progress.state_dict(),
+            "rng": rng[0],
+            "rng_per_rank": rng,
+            "config": self.cfg.to_dict(),
+        }
+        ckpt_io.save_checkpoint(checkpoint, self.cfg.output_dir, is_best)
+
+    def step_hook(self, state: TrainState, progress: Progress) -> Optional[Callable]:
+        """The training loop's ``on_step(batches_done, sums)`` for ``--save-every-steps``, or None."""
+        every, accum = self.cfg.save_every_steps, self.cfg.accum_steps
+        if not every:
+            return None
+
+        def on_step(done: int, sums: Callable[[], list]) -> None:
+            if (done // accum) % every == 0:
+                self.save(state, progress.at_step(done, sums()))
+        return on_step
+
+    def is_best(self, acc1: float, progress: Progress) -> bool:
+        """Whether an epoch validating at ``acc1`` is the best so far (also the first epoch
+        that writes model_best, even at 0%, so the file exists after every epoch)."""
+        missing = self.ctx.is_main and not os.path.exists(os.path.join(self.cfg.output_dir, ckpt_io.BEST))
+        return acc1 > progress.best_acc1 or missing
+
+    def stopped(self, state: TrainState, progress: Progress, stop: StopRequest) -> Preempted:
+        """Save where a stop signal ended the epoch; the exception to end the run with."""
+        self.save(state, progress)
+        where = os.path.join(self.cfg.output_dir, ckpt_io.CHECKPOINT)
+        return Preempted(stop.signum, f"stopped by {stop.name} in epoch {progress.epoch} after step {progress.step}; "
+                                      f"checkpoint written to {where}: run the same command with --resume auto "
+                                      "to continue")
