@@ -298,11 +298,11 @@ def test_yaml_config_key_hint_does_not_suggest_itself(tmp_path):
     (["--epochs", "ten"], "--epochs"),
     (["--lr", "fast"], "--lr"),
     (["--no-such-flag"], "--no-such-flag"),
-    (["--tune-kernels"], "--compile"),
-    (["--maxpool-kernel", "triton"], "--channels-last"),
+    (["--tune-kernels", "--compile", "off"], "--compile"),
+    (["--maxpool-kernel", "triton", "--no-channels-last"], "--no-channels-last"),
     (["--maxpool-kernel", "triton", "--channels-last", "--small-stem"], "--small-stem"),
     (["--maxpool-kernel", "cudnn"], "cudnn"),
-    (["--bn-kernel", "triton"], "--channels-last"),
+    (["--bn-kernel", "triton", "--no-channels-last"], "--no-channels-last"),
     (["--bn-kernel", "triton", "--channels-last", "--sync-bn"], "--sync-bn"),
 ])
 def test_impossible_values_are_user_errors(argv, fragment):

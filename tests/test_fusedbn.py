@@ -430,7 +430,8 @@ def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(no_tf32):
 
 
 @gpu
-@pytest.mark.parametrize("arch, flags", [("resnet50", ["--fp16"]), ("resnet50", ["--amp"]),
+@pytest.mark.parametrize("arch, flags", [("resnet50", ["--fp16", "--compile", "off"]),
+                                         ("resnet50", ["--amp", "--compile", "off"]),
                                          ("resnet18", ["--fp16", "--compile", "reduce-overhead"]),
                                          ("resnet18", ["--amp", "--compile", "default"])])
 def test_main_trains_with_the_kernels_under_ddp(tmp_path, arch, flags):

@@ -165,7 +165,7 @@ def test_kernels_inside_torch_compile_give_the_eager_results():
 
 
 @gpu
-@pytest.mark.parametrize("flags", [["--fp16", "--compile", "reduce-overhead"], ["--amp"]])
+@pytest.mark.parametrize("flags", [["--fp16", "--compile", "reduce-overhead"], ["--amp", "--compile", "off"]])
 def test_main_trains_with_the_kernels_under_ddp(tmp_path, flags):
     r, rows = multiproc_dummy_run(tmp_path, "resnet18", "--maxpool-kernel", "triton", *flags)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

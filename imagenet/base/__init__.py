@@ -4,6 +4,7 @@
 * ``errors`` -- :class:`UserError` (one line, exit status 2) and how an entry point reports it.
 * ``metrics`` -- meters, accuracy, device-side sums, and one epoch's metrics.jsonl row.
 * ``checkpoint`` -- checkpoint file I/O: atomic writes, ``weights_only`` reads, finding the newest.
+* ``paths`` -- where the trainer keeps files between runs (``~/.cache/imagenet-trainer``).
 * ``wrappers`` -- seeing through DataParallel, DDP and torch.compile wrappers.
 * ``torch_private`` -- every private torch API the trainer relies on, one function each.
 

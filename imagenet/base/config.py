@@ -24,9 +24,9 @@ from .errors import UserError
 logger = logging.getLogger(__name__)
 
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # --compile (torch.compile modes)
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes (and off)
 MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/kernels/maxpool.py)
-BN_KERNELS = ("torch", "triton")  # --bn-kernel (imagenet/kernels/fusedbn.py)
+BN_KERNELS = ("auto", "torch", "triton")  # --bn-kernel (imagenet/kernels/fusedbn.py)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
@@ -68,11 +68,15 @@ class Config:
     pretrained: Optional[str] = None  # torchvision ImageNet weights by name (DEFAULT, IMAGENET1K_V1, ...), from
     #                                   the local torch hub cache only; --pretrained alone: DEFAULT
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from
-    channels_last: bool = False
-    compile: str = "off"  # torch.compile the model: off | default | reduce-overhead (CUDA graphs) | max-autotune
+    # The four speed settings default to auto: the fastest safe choice for the machine
+    # (imagenet/training/defaults.py), printed in the banner with the flag that changes it.
+    channels_last: Optional[bool] = None  # channels_last tensors; None (auto): on CUDA GPUs
+    compile: str = "auto"  # torch.compile: auto (reduce-overhead on GPUs where it applies) | off | default |
+    #                        reduce-overhead (CUDA graphs) | max-autotune
     tune_kernels: bool = False  # with --compile: tune each generated kernel's launch settings (coordinate descent)
-    maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, --channels-last) | torch | triton
-    bn_kernel: str = "torch"  # training BatchNorm + add + ReLU: torch (its modules) | triton (fused Triton kernels)
+    maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, channels_last) | torch | triton
+    bn_kernel: str = "auto"  # training BatchNorm + add + ReLU: auto (fused Triton kernels on GPUs where they
+    #                          apply) | torch (its modules) | triton
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -148,13 +152,18 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS,
+            "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS,
             "bn_kernel": BN_KERNELS}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
     "resume": "checkpoint to resume from, or 'auto' for OUTPUT_DIR/checkpoint.pth.tar",
     "tf32": "use TF32 on GPUs that support it (default on; --no-tf32 turns it off)",
+    "channels_last": "channels_last tensors (default: on with CUDA GPUs; --no-channels-last turns it off)",
+    "compile": "torch.compile the model: auto (default: reduce-overhead, with CUDA graphs, on GPUs where it "
+               "applies; the banner says what was chosen and why), off, default, reduce-overhead, max-autotune",
+    "bn_kernel": "training BatchNorm + add + ReLU: auto (default: our fused Triton kernels on GPUs where they "
+                 "apply), torch, triton",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10)",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
@@ -227,9 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
             names.append("--" + f.name)  # the reference script's underscore spelling works too
         kind = types[f.name]
         kwargs: dict[str, Any] = {"dest": f.name, "help": _HELP.get(f.name)}
-        if f.name == "tf32":
-            p.add_argument("--tf32", dest="tf32", action="store_true", help=_HELP["tf32"])
-            p.add_argument("--no-tf32", dest="tf32", action="store_false")
+        if f.name in ("tf32", "channels_last"):
+            p.add_argument(*names, dest=f.name, action="store_true", help=_HELP[f.name])
+            p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false")
             continue
         if f.name == "prof":
             p.add_argument(flag, dest="prof", nargs="?", const=10, type=int, help=_HELP["prof"])
@@ -455,12 +464,13 @@ def _check_modes(cfg: Config) -> None:
           "pytorch/pytorch#169545); use --compile default, or drop --accum-steps if the batch fits")
     _need(not cfg.tune_kernels or cfg.compile != "off",
           "--tune-kernels tunes the kernels torch.compile generates; add --compile default (or reduce-overhead)")
-    _need(cfg.maxpool_kernel != "triton" or cfg.channels_last,
-          "--maxpool-kernel triton computes channels_last tensors only; add --channels-last (or use auto)")
+    _need(cfg.maxpool_kernel != "triton" or cfg.channels_last is not False,
+          "--maxpool-kernel triton computes channels_last tensors only; drop --no-channels-last (or use auto)")
     _need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
           "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
     if cfg.bn_kernel == "triton":
-        _need(cfg.channels_last, "--bn-kernel triton computes channels_last tensors only; add --channels-last")
+        _need(cfg.channels_last is not False,
+              "--bn-kernel triton computes channels_last tensors only; drop --no-channels-last")
         _need(not cfg.sync_bn, "--bn-kernel triton computes per-process statistics; --sync-bn needs torch's "
                                "SyncBatchNorm: drop one of them")
     _need(not (cfg.pretrained and cfg.weights),

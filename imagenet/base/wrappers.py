@@ -21,6 +21,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The model without its torch.compile wrapper (DataParallel or DDP wrappers stay)."""
+    return getattr(model, "_orig_mod", model)
+
+
 def ddp_of(model: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
     """The DDP wrapper of the training model, also when that wrapper was compiled; else None."""
     net = getattr(model, "_orig_mod", model)

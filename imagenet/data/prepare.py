@@ -22,6 +22,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 
 from ..base.errors import UserError
+from ..base.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -360,14 +361,6 @@ def export_mnist5k(out_dir, csv_path=None, limit_per_class: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------ built-in demo cache
-
-
-def default_cache_dir() -> Path:
-    """``$IMAGENET_TRAINER_CACHE``, else ``$XDG_CACHE_HOME/imagenet-trainer``, else ``~/.cache/imagenet-trainer``."""
-    if os.environ.get("IMAGENET_TRAINER_CACHE"):
-        return Path(os.environ["IMAGENET_TRAINER_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base).expanduser() / "imagenet-trainer"
 
 
 def _read_marker(root: Path) -> Optional[dict]:

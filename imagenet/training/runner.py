@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ from ..base import checkpoint as ckpt_io
 from ..base.config import Config
 from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
+from ..base.paths import default_cache_dir
 from ..base.torch_private import set_last_lr
+from ..base.wrappers import uncompiled
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -34,6 +36,7 @@ from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
+from .defaults import Machine, SpeedPlan, compile_cache_dir, resolve
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
@@ -103,11 +106,12 @@ def _resolve_data_root(cfg: Config) -> Optional[str]:
         return None
     if cfg.data:
         return cfg.data
-    from ..data.prepare import default_cache_dir, ensure_builtin_mnist
+    from ..data.prepare import ensure_builtin_mnist
     return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
 
 
-def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, val: ValGeometry, weights) -> None:
+def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, val: ValGeometry, weights,
+            plan: SpeedPlan) -> None:
     n_params = sum(p.numel() for p in state.model.parameters())
     per_dev = per_process_batch(cfg.batch_size, ctx)
     if ctx.mode == "dp":
@@ -133,6 +137,15 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                                 cfg.tune_kernels)) if on]
     if kernels:
         logger.info("=> kernels: %s", "; ".join(kernels))
+    for choice in plan.choices:
+        logger.info("=> default: %s", choice.line())
+    if cfg.compile != "off":
+        logger.info("=> compile: torch.compile %s; the first steps wait for it (the banner's default line says how "
+                    "to skip it); compiled graphs and kernels are kept in %s for the next run", cfg.compile,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default cache"))
+        if cfg.prof > 0:
+            logger.info("=> note: --prof %d times a few steps, and most of this run's time is compiling; "
+                        "--compile off profiles the eager model", cfg.prof)
     if ctx.device.type == "cpu" and cfg.precision_name in ("fp16", "amp-fp16"):
         # Measured on a 2-core x86 CPU, ResNet-18 at 64 px: fp32 0.12 s a step, --fp16 4.5 s,
         # --amp float16 4.5 s, --amp bfloat16 0.10 s.
@@ -147,11 +160,16 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
 
 
 def run(cfg: Config) -> dict:
-    """Train (or with ``--evaluate`` validate) as configured; returns the final summary."""
+    """Train (or with ``--evaluate`` validate) as configured; returns the final summary. Every
+    ``auto`` of the config is decided here, once, for this machine (:mod:`.defaults`)."""
+    started = time.perf_counter()
     ctx = distributed.setup(cfg)
     _setup_logging(ctx)
+    plan = resolve(cfg, Machine.of(ctx))
+    if plan.compile != "off":  # Inductor's caches where a second run of the command finds them
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir(str(cfg.cache_dir or default_cache_dir())))
     try:
-        return _run(cfg, ctx)
+        return _run(plan.apply(cfg), ctx, plan, started)
     finally:
         distributed.cleanup(ctx)
 
@@ -168,7 +186,7 @@ class _Start:
     iters: int  # optimizer steps per epoch
 
 
-def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
+def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float) -> dict:
     seed = cfg.seed if cfg.seed is not None else 0
     _seed_everything(seed)  # same model initialisation on every rank
     if ctx.device.type == "cuda":
@@ -180,7 +198,7 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
     # weight broadcast), so all stop with a message instead of waiting on, or losing, a peer.
     failure, start = None, None
     try:
-        start = _start(cfg, ctx, seed)
+        start = _start(cfg, ctx, seed, plan)
     except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
         failure = e
     distributed.agree_started(failure, ctx)
@@ -200,10 +218,10 @@ def _run(cfg: Config, ctx: distributed.DistContext) -> dict:
         return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
                         precision=state.precision, ctx=ctx, opts=opts).to_dict()
     with StopRequest(ctx) as stop, RunLog(cfg, ctx) as log:
-        return _epochs(cfg, ctx, start, opts, stop, log)
+        return _epochs(cfg, ctx, start, opts, stop, log, started)
 
 
-def _start(cfg: Config, ctx, seed: int) -> _Start:
+def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
     """Everything before the first collective: output folder, data, loaders, the training state
     (unwrapped) and, with ``--resume``, its checkpoint."""
     _prepare_output_dir(cfg.output_dir, ctx)
@@ -224,7 +242,7 @@ def _start(cfg: Config, ctx, seed: int) -> _Start:
     iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
     state = build_training(cfg, ctx, len(data.classes), iters, start=_starting_weights(cfg, weights))
     if ctx.is_main:
-        _banner(cfg, ctx, data, state, source, val_geo, weights)
+        _banner(cfg, ctx, data, state, source, val_geo, weights, plan)
     # Augmentations are seeded per sample (data.SeededSampler); any other randomness drawn
     # from here on (none in a plain ResNet) gets a stream of its own on each rank.
     torch.manual_seed(seed + ctx.rank)
@@ -262,19 +280,21 @@ def _align_schedule(scheduler, iteration: int) -> None:
     set_last_lr(scheduler, lrs)
 
 
-def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopRequest, log: RunLog) -> dict:
+def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopRequest, log: RunLog,
+            started: float) -> dict:
     """The recipe: per epoch, train (saving every --save-every-steps; a stop signal saves and
     ends the run), validate (and the weight average), save, report."""
     state, progress = start.state, start.progress
     saver = CheckpointPolicy(cfg, ctx, start.data.classes)
     log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
     run_start = time.perf_counter()
+    first = _FirstStep(started, ctx, cfg.compile)
     steady, epochs_run, last = Steady(), 0, {}
     for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
         epoch_start, lr_start = time.perf_counter(), state.lr
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
-                                stop=stop.should_stop, on_step=saver.step_hook(state, progress))
+                                stop=stop.should_stop, on_step=first.hook(saver.step_hook(state, progress)))
         if not train.completed:
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
@@ -296,7 +316,31 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         log.epoch(record, train, state.precision.loss_scale)
         if cfg.prof > 0:
             break
-    return log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady)
+    summary = log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady)
+    return dict(summary, first_step_seconds=first.seconds)
+
+
+class _FirstStep:
+    """Says once how long the run waited for its first optimizer step: start-up, the loaders'
+    first batch, cuDNN's search and, under --compile, the compilation (which a second run of
+    the same command reads from its cache)."""
+
+    def __init__(self, started: float, ctx, compile_mode: str):
+        self.started, self.ctx, self.compile_mode = started, ctx, compile_mode
+        self.seconds: Optional[float] = None
+
+    def hook(self, inner: Optional[Callable]) -> Callable:
+        """The training loop's ``on_step``: ``inner``'s, timing the first step first."""
+        def on_step(done: int, sums: Callable[[], list]) -> None:
+            if self.seconds is None:
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize(self.ctx.device)  # once a run: the step's work done, not queued
+                self.seconds = time.perf_counter() - self.started
+                logger.info("=> first step done %.1f s after start%s", self.seconds,
+                            f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else "")
+            if inner is not None:
+                inner(done, sums)
+        return on_step
 
 
 def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> int:
@@ -317,8 +361,11 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
 def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
-    val = validate(model=state.model, loader=start.val_loader, criterion=state.criterion, precision=state.precision,
-                   ctx=ctx, opts=opts)
+    # Validation runs the model uncompiled: evaluation is a tenth of an epoch's work and mostly
+    # waits for its input, while compiling the evaluation graph (a second graph, the last partial
+    # batch a third shape) would add its own start-up wait to the first epoch.
+    val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
+                   precision=state.precision, ctx=ctx, opts=opts)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
     if state.ema is None:
         return val, {}, decoded

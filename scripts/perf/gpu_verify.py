@@ -11,6 +11,7 @@
     python scripts/perf/gpu_verify.py jpeg       # JPEG input pipelines: classic / CPU decode / GPU decode
     python scripts/perf/gpu_verify.py scaling    # 1/2/4/8 GPUs (as many as visible): DDP vs DP, GPU decode, parity
     python scripts/perf/gpu_verify.py shrink     # Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline
+    python scripts/perf/gpu_verify.py defaults --old DIR  # issue 27: the plain commands, old tree and this one; cold/warm start
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -548,13 +549,17 @@ def jpeg_engine_use(dmon: str) -> str:
     return f"busy {statistics.median(values):.0f}% median, {max(values)}% peak over {len(values)} s"
 
 
+EAGER = " --compile off --bn-kernel torch"  # what --fp16 ran before the speed defaults (issue 27)
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
                    "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1",
                    # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
-                   "maxpool-torch": " --maxpool-kernel torch", "maxpool-triton": " --maxpool-kernel triton",
+                   "maxpool-torch": EAGER + " --maxpool-kernel torch",
+                   "maxpool-triton": EAGER + " --maxpool-kernel triton",
                    # issue 17's fastest mode against maxpool-torch (eager, torch's kernels)
                    "kernels-ro": " --maxpool-kernel triton --bn-kernel triton --compile reduce-overhead",
-                   "kernels": " --maxpool-kernel triton --bn-kernel triton"}
+                   "kernels": " --compile off --maxpool-kernel triton --bn-kernel triton",
+                   # issue 27: the command as typed (the speed defaults) against maxpool-torch
+                   "default": ""}
 
 
 def phase_recipe(args) -> None:
@@ -747,10 +752,107 @@ def phase_scaling(args) -> None:
         table(results, "1-fp32")
 
 
+def _first_step(log: str):
+    """The "first step done N s after start" of a main.py log (None if it has none)."""
+    for line in open(log, errors="replace"):
+        if "=> first step done" in line:
+            return float(line.split("done")[1].split("s after")[0])
+    return None
+
+
+DEFAULTS_ROWS = {  # name: (tree, launcher, flags) -- issue 27's table; "old": the --old tree
+    "old-multiproc-fp16": ("old", "multiproc", "-b 256 --fp16"),
+    "old-fp16": ("old", "", "-b 256 --fp16"),
+    "old-amp": ("old", "", "-b 256 --amp"),
+    "old-fp32": ("old", "", "-b 256"),
+    "old-fp16-cl": ("old", "", "-b 256 --fp16 --channels-last"),
+    "old-fastest-b256": ("old", "", "-b 256 --fp16 --channels-last --compile reduce-overhead --bn-kernel triton "
+                                    "--maxpool-kernel triton"),
+    "new-multiproc-fp16": ("new", "multiproc", "-b 256 --fp16"),
+    "new-fp16": ("new", "", "-b 256 --fp16"),
+    "new-amp": ("new", "", "-b 256 --amp"),
+    "new-amp-bf16": ("new", "", "-b 256 --amp --amp-dtype bfloat16"),
+    "new-fp32": ("new", "", "-b 256"),
+    "new-fp16-b384": ("new", "", "-b 384 --fp16"),
+    "new-fp16-eager": ("new", "", "-b 256 --fp16 --compile off"),
+}
+
+
+def phase_defaults(args) -> None:
+    """Issue 27: ResNet-50 main.py --dummy as a user types it, this tree against --old (the commit
+    before, e.g. `git archive` of it) side by side; the first step's wait with empty caches
+    (cold) and again with the caches the first run left (warm), one process and under multiproc.
+    Each row: --defaults-epochs epochs of --defaults-steps steps, the rate the median of the
+    epochs after the first (each epoch leaves out its first steps: compilation, cuDNN's search)."""
+    rows = [r for r in args.defaults_rows.split(",") if r]
+    unknown = set(rows) - set(DEFAULTS_ROWS)
+    if unknown:
+        fail(f"--defaults-rows: unknown {sorted(unknown)}; choose from {','.join(DEFAULTS_ROWS)}")
+    old = os.path.abspath(args.old) if args.old else None
+    if any(DEFAULTS_ROWS[r][0] == "old" for r in rows) and not (old and os.path.isfile(os.path.join(old, "main.py"))):
+        fail(f"--old {args.old!r} holds no main.py: give the older commit's tree (git archive COMMIT | tar -x -C DIR)")
+    caches = {tree: {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor-{tree}", "TRITON_CACHE_DIR": f"/tmp/triton-{tree}"}
+              for tree in ("old", "new")}
+    for env in caches.values():  # cold means cold: nothing from an earlier call
+        for d in env.values():
+            shutil.rmtree(d, ignore_errors=True)
+    t0 = time.time()
+
+    def cmd_of(name: str, epochs: int, steps: int) -> tuple:
+        tree, launcher, flags = DEFAULTS_ROWS[name]
+        batch = int(flags.split("-b ")[1].split()[0])
+        here = REPO if tree == "new" else old
+        main = (f"main.py --dummy -a resnet50 {flags} --epochs {epochs} --dummy-train-size {batch * steps} "
+                f"--dummy-val-size {batch * 4} -p 1000 -j 0 --output-dir OUT")
+        run = f"{PY} -m multiproc --nproc-per-node 1 {main}" if launcher else f"{PY} {main}"
+        return f"cd {here} && timeout {args.e2e_timeout} {run}", dict(caches[tree], CUDA_VISIBLE_DEVICES="0")
+
+    waits = []
+    if not args.skip_cold:
+        for label in ("cold", "warm"):
+            for name in ("new-fp16", "new-multiproc-fp16"):
+                cmd, env = cmd_of(name, 1, 30)
+                res = run_group([{"name": f"{label}-{name}", "cmd": cmd, "env": env}], args)[0]
+                waits.append((label, name, _first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
+        print(f"  (cold and warm starts: {time.time() - t0:.0f} s)", flush=True)
+    # the rows' compilations at once, so the timed rows below start from warm caches
+    compiled = [r for r in rows if r not in ("new-fp16", "new-multiproc-fp16") and
+                ("--compile reduce-overhead" in DEFAULTS_ROWS[r][2] or
+                 (DEFAULTS_ROWS[r][0] == "new" and "--compile off" not in DEFAULTS_ROWS[r][2]))]
+    if compiled:
+        run_group([{"name": f"precompile-{r}", "cmd": cmd_of(r, 1, 12)[0], "env": cmd_of(r, 1, 12)[1]}
+                   for r in compiled], args)
+        print(f"  (compilations done at {time.time() - t0:.0f} s)", flush=True)
+    table_rows = []
+    for name in rows:
+        if time.time() - t0 > args.budget:
+            table_rows.append((name, "not run (--budget)", "", None))
+            continue
+        cmd, env = cmd_of(name, args.defaults_epochs, args.defaults_steps)
+        res = run_group([{"name": name, "cmd": cmd, "env": env}], args)[0]
+        rates = _epoch_rates(os.path.join(args.out, name), 1)
+        table_rows.append((name, f"{rates[0]:.0f}" if rates else f"FAILED (exit {res['rc']})",
+                           f"{rates[1]:.0f}..{rates[2]:.0f}" if rates else "", res))
+    fastest = max((float(r[1]) for r in table_rows if r[1].replace(".", "").isdigit() and "b384" not in r[0]),
+                  default=None)
+    print("\n| row | command (main.py --dummy -a resnet50 ...) | img/s (median epoch) | spread | of the fastest b256 |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for name, rate, spread, _ in table_rows:
+        tree, launcher, flags = DEFAULTS_ROWS[name]
+        ratio = f"{float(rate) / fastest:.3f}" if fastest and rate.replace(".", "").isdigit() else ""
+        print(f"| {name} | {'python -m multiproc ' if launcher else ''}{flags} | {rate} | {spread} | {ratio} |")
+    if waits:
+        print("\n| start | command | first step done after (s) | run's wall s |")
+        print("| --- | --- | ---: | ---: |")
+        for label, name, wait, res in waits:
+            print(f"| {label} | {name} | {wait if wait is not None else 'n/a'} | {res['seconds']:.0f} |")
+    print_commands([r[3] for r in table_rows if r[3]] + [w[3] for w in waits])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling",
-                                     "shrink"))
+                                     "shrink", "defaults"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -804,11 +906,17 @@ def main() -> int:
     p.add_argument("--compile-modes", default="off,default,reduce-overhead,max-autotune",
                    help="suite: --compile modes of the ResNet-50 run")
     p.add_argument("--budget", type=float, default=540, help="suite: seconds for the whole phase")
+    p.add_argument("--old", help="defaults: the tree of the commit to compare against (git archive COMMIT)")
+    p.add_argument("--defaults-rows", default=",".join(DEFAULTS_ROWS), help="defaults: rows to time, in order")
+    p.add_argument("--defaults-epochs", type=int, default=4, help="defaults: epochs of each timed row")
+    p.add_argument("--defaults-steps", type=int, default=30, help="defaults: steps of each epoch")
+    p.add_argument("--skip-cold", action="store_true", help="defaults: leave out the cold and warm start runs")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
-     "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink}[args.phase](args)
+     "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink,
+     "defaults": phase_defaults}[args.phase](args)
     return 0
 
 

@@ -1,0 +1,169 @@
+"""Fast by default: what ``auto`` means for a run on this machine.
+
+On a GPU the plain command (``main.py DIR -a resnet50 -b 256 --fp16``) trains in the fastest mode
+that is safe for it: channels_last tensors, the stem max-pool and the fused BatchNorm + add +
+ReLU on our Triton kernels, and the model compiled with CUDA graphs (``--compile
+reduce-overhead``). On a CPU nothing changes. :func:`resolve` decides each of the four from the
+config and the machine alone (a pure function, so tests can ask it about any machine), and
+returns every choice it made by itself with its reason and the flag that changes it, for the
+banner. A flag the user gave is never overridden; a combination that cannot take a fast path
+falls back to torch's with a line saying why, never an error.
+
+What each choice gives, per mode and machine, is in docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..base.config import Config
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the speed defaults depend on besides the config."""
+
+    device: str  # "cuda" or "cpu": the training device's type
+    mode: str  # the launch mode (DistContext.mode): cpu | gpu | dp | ddp
+    triton: bool  # Triton compiles for this GPU (our kernels and Inductor's need it)
+
+    @classmethod
+    def of(cls, ctx) -> "Machine":
+        """This process's machine, from its launch context."""
+        from ..kernels.fusedbn import available
+        return cls(ctx.device.type, ctx.mode, ctx.device.type == "cuda" and available())
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One decision the trainer took by itself: what, why, and the flag that changes it."""
+
+    what: str
+    why: str
+    flag: str
+
+    def line(self) -> str:
+        return f"{self.what}: {self.why} ({self.flag})"
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """The resolved layout, kernels and compilation of a run, and the choices behind them."""
+
+    channels_last: bool
+    maxpool_kernel: str  # torch | triton
+    bn_kernel: str  # torch | triton
+    compile: str  # off | default | reduce-overhead | max-autotune
+    tune_kernels: bool
+    choices: tuple = ()
+
+    def apply(self, cfg: Config) -> Config:
+        """``cfg`` with every ``auto`` replaced by what this plan chose."""
+        return dataclasses.replace(cfg, channels_last=self.channels_last, maxpool_kernel=self.maxpool_kernel,
+                                   bn_kernel=self.bn_kernel, compile=self.compile, tune_kernels=self.tune_kernels)
+
+
+def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
+    """Why ``--compile auto`` does not compile here (None: it compiles)."""
+    if machine.device != "cuda":
+        return None  # said once for the whole CPU plan
+    if cfg.evaluate:
+        return "-e evaluates once; compiling would take longer than it saves"
+    if machine.mode == "dp":
+        return ("DataParallel re-replicates the model every step, which compiled models do not survive; "
+                "python -m multiproc main.py ... runs one process per GPU and compiles")
+    if not machine.triton:
+        return "torch.compile needs Triton for this GPU, and this torch has none that compiles for it"
+    if cfg.deterministic:
+        return "--deterministic runs torch's own deterministic kernels, uncompiled"
+    if cfg.sync_bn:
+        return "--sync-bn's collectives inside the forward pass run uncompiled"
+    if cfg.progressive_resize:
+        return "--progressive-resize changes the input shape every few epochs, and each shape would compile again"
+    return None
+
+
+def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional[str]:
+    """Why ``--bn-kernel auto`` keeps torch's BatchNorm here (None: the fused kernels run)."""
+    if machine.device != "cuda":
+        return None
+    if cfg.evaluate:
+        return "-e evaluates, and the fused kernels are training's (evaluation takes torch's)"
+    if not machine.triton:
+        return "the fused kernels need Triton for this GPU"
+    if machine.mode == "dp":
+        return "the fused kernels are not verified under DataParallel's replicas; python -m multiproc main.py ... runs them"
+    if not channels_last:
+        return "the fused kernels compute channels_last tensors only"
+    if cfg.sync_bn:
+        return "--sync-bn needs torch's SyncBatchNorm (the kernels compute per-process statistics)"
+    if cfg.deterministic:
+        return "--deterministic runs torch's own deterministic kernels"
+    return None
+
+
+def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
+    """The layout, kernels and compile mode of a run of ``cfg`` on ``machine``: the flags the user
+    gave, and for each ``auto`` the fastest safe choice (see the module's docstring)."""
+    choices = []
+    gpu = machine.device == "cuda"
+    explicit_kernel = cfg.bn_kernel == "triton" or cfg.maxpool_kernel == "triton"
+    if cfg.channels_last is None:
+        channels_last = gpu or explicit_kernel
+        if gpu:
+            choices.append(Choice("channels_last", "the fastest layout for cuDNN's convolutions and our kernels",
+                                  "--no-channels-last for contiguous tensors"))
+    else:
+        channels_last = cfg.channels_last
+
+    maxpool = cfg.maxpool_kernel
+    if maxpool == "auto":
+        maxpool = "triton" if gpu and machine.triton and channels_last and not cfg.small_stem else "torch"
+        if maxpool == "triton":
+            choices.append(Choice("stem max-pool on Triton kernels", "2.7 -> 0.7 ms a ResNet-50 step",
+                                  "--maxpool-kernel torch"))
+
+    bn = cfg.bn_kernel
+    if bn == "auto":
+        why_not = _bn_fallback(cfg, machine, channels_last)
+        bn = "triton" if gpu and why_not is None else "torch"
+        if bn == "triton":
+            choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
+                                  "one pass each way instead of torch's separate kernels", "--bn-kernel torch"))
+        elif gpu:
+            choices.append(Choice("BatchNorm on torch's kernels", why_not, "--bn-kernel triton asks for the fused ones"))
+
+    compile_mode, tune = cfg.compile, cfg.tune_kernels
+    if compile_mode == "auto":
+        why_not = _compile_fallback(cfg, machine)
+        if not gpu or why_not is not None:
+            compile_mode = "off"
+            if gpu:
+                choices.append(Choice("not compiled", why_not, "--compile MODE asks for it"))
+        elif cfg.accum_steps > 1:
+            compile_mode = "default"
+            choices.append(Choice("torch.compile without CUDA graphs",
+                                  f"--accum-steps {cfg.accum_steps} adds up gradients over several passes, which "
+                                  "CUDA graphs would overwrite (pytorch/pytorch#169545)", "--compile off skips it"))
+        else:
+            compile_mode = "reduce-overhead"
+            choices.append(Choice("torch.compile with CUDA graphs (reduce-overhead)",
+                                  "the fastest mode; the first steps wait for the compilation, which later runs "
+                                  "read from the cache", "--compile off skips it"))
+    if tune and compile_mode == "off":
+        tune = False
+        choices.append(Choice("--tune-kernels ignored", "nothing is compiled in this run", "--compile default"))
+    if not gpu and cfg.channels_last is None and cfg.compile == "auto" and cfg.bn_kernel == "auto":
+        choices.append(Choice("contiguous tensors, torch's kernels, not compiled",
+                              "the GPU fast path would not make a CPU run faster", "--channels-last, --compile MODE"))
+    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, tuple(choices))
+
+
+def compile_cache_dir(cache_root: str) -> Optional[str]:
+    """Where Inductor keeps its compiled kernels and graphs between runs: ``$TORCHINDUCTOR_CACHE_DIR``
+    when the user set it, else ``CACHE_ROOT/inductor`` (``/tmp``, torch's default, is often
+    emptied at a reboot or private to one job on clusters, and a cold compile takes a minute)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(cache_root, "inductor")

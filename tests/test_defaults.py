@@ -1,0 +1,131 @@
+"""Fast by default: what ``auto`` resolves to, as a pure function of the config and the machine
+(imagenet/training/defaults.py), and the banner lines that say so."""
+
+import pytest
+
+from imagenet.base.config import parse_config
+from imagenet.training.defaults import Machine, resolve
+
+GPU = Machine("cuda", "gpu", triton=True)
+DDP = Machine("cuda", "ddp", triton=True)
+DP = Machine("cuda", "dp", triton=True)
+CPU = Machine("cpu", "cpu", triton=False)
+OLD_GPU = Machine("cuda", "gpu", triton=False)
+
+
+def plan_of(argv, machine):
+    return resolve(parse_config(argv), machine)
+
+
+def settings(plan):
+    return plan.channels_last, plan.maxpool_kernel, plan.bn_kernel, plan.compile
+
+
+def lines(plan):
+    return "\n".join(c.line() for c in plan.choices)
+
+
+@pytest.mark.parametrize("machine", [GPU, DDP], ids=["1-gpu", "ddp"])
+@pytest.mark.parametrize("precision", [["--fp16"], ["--amp"], ["--amp", "--amp-dtype", "bfloat16"], []])
+def test_the_plain_command_on_a_gpu_takes_the_fastest_mode(machine, precision):
+    plan = plan_of(["DIR", "-a", "resnet50", "-b", "256", *precision], machine)
+    assert settings(plan) == (True, "triton", "triton", "reduce-overhead")
+    text = lines(plan)
+    for flag in ("--no-channels-last", "--maxpool-kernel torch", "--bn-kernel torch", "--compile off"):
+        assert flag in text, text  # every automatic choice names the flag that changes it
+    assert len(plan.choices) == 4
+
+
+def test_a_cpu_run_is_what_it_was():
+    plan = plan_of(["DIR", "--epochs", "1"], CPU)
+    assert settings(plan) == (False, "torch", "torch", "off")
+    assert len(plan.choices) == 1 and "--channels-last" in lines(plan)
+
+
+def test_the_demo_config_resolves_as_before_on_a_cpu():
+    cfg = parse_config(["--config", "configs/demo.yaml"])
+    plan = resolve(cfg, CPU)
+    resolved = plan.apply(cfg)
+    assert (resolved.channels_last, resolved.compile, resolved.bn_kernel, resolved.maxpool_kernel,
+            resolved.tune_kernels) == (False, "off", "torch", "torch", False)
+
+
+def test_explicit_flags_are_never_overridden():
+    plan = plan_of(["DIR", "--compile", "off", "--no-channels-last", "--maxpool-kernel", "torch"], GPU)
+    assert settings(plan) == (False, "torch", "torch", "off")
+    # the one automatic choice left says why the fused kernels cannot run
+    assert len(plan.choices) == 1 and "channels_last tensors only" in lines(plan)
+    plan = plan_of(["DIR", "--channels-last", "--compile", "default"], CPU)
+    assert settings(plan)[::3] == (True, "default")
+
+
+def test_a_gpu_without_triton_falls_back_with_a_reason():
+    plan = plan_of(["DIR", "--fp16"], OLD_GPU)
+    assert settings(plan) == (True, "torch", "torch", "off")
+    assert "Triton" in lines(plan)
+
+
+def test_dataparallel_is_not_compiled_and_keeps_torchs_batchnorm():
+    plan = plan_of(["DIR", "--fp16"], DP)
+    assert settings(plan) == (True, "triton", "torch", "off")
+    assert "python -m multiproc" in lines(plan)
+
+
+@pytest.mark.parametrize("flags, expect, reason", [
+    (["--sync-bn"], (True, "triton", "torch", "off"), "--sync-bn"),
+    (["--deterministic"], (True, "triton", "torch", "off"), "--deterministic"),
+    (["--accum-steps", "2"], (True, "triton", "triton", "default"), "pytorch/pytorch#169545"),
+    (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "off"), "--progressive-resize"),
+    (["-e"], (True, "triton", "torch", "off"), "-e "),
+    (["--small-stem"], (True, "torch", "triton", "reduce-overhead"), None),
+])
+def test_each_case_that_cannot_take_the_whole_fast_path(flags, expect, reason):
+    plan = plan_of(["DIR", "--fp16", *flags], DDP)
+    assert settings(plan) == expect
+    if reason is not None:
+        assert reason in lines(plan), lines(plan)
+    resolved = plan.apply(parse_config(["DIR", "--fp16", *flags]))  # a resolved config passes the checks
+    assert resolved.compile == expect[3]
+
+
+def test_tune_kernels_without_compilation_is_dropped_with_a_line():
+    plan = plan_of(["DIR", "--tune-kernels"], CPU)
+    assert plan.compile == "off" and not plan.tune_kernels
+    assert "--tune-kernels ignored" in lines(plan)
+    assert plan_of(["DIR", "--tune-kernels"], GPU).tune_kernels
+
+
+def test_explicit_kernels_bring_channels_last_along():
+    # --bn-kernel triton under Triton's interpreter (the CPU tests) needs channels_last tensors
+    assert plan_of(["DIR", "--bn-kernel", "triton"], CPU).channels_last
+    assert plan_of(["DIR", "--maxpool-kernel", "triton"], CPU).channels_last
+
+
+def test_the_banner_prints_every_choice(tmp_path, capsys):
+    from imagenet.cli import main
+    rc = main(["--dummy", "--dummy-train-size", "8", "--dummy-val-size", "4", "--dummy-classes", "2", "-a", "resnet18",
+               "-b", "4", "--image-size", "16", "--epochs", "1", "-j", "0", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "=> default: contiguous tensors, torch's kernels, not compiled" in out
+    assert "=> first step done" in out
+    written = (tmp_path / "config.yaml").read_text()  # the resolved values, not "auto"
+    assert "compile: 'off'" in written or "compile: off" in written, written
+    assert "channels_last: false" in written, written
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", [["--fp16"], ["--amp"]])
+def test_the_plain_command_trains_on_the_fast_path_under_ddp(tmp_path, precision):
+    """`python -m multiproc main.py ... --fp16` with no speed flag: channels_last, both kernels and
+    CUDA graphs, by itself, and it trains."""
+    import torch
+
+    from tests.helpers import multiproc_dummy_run
+    r, rows = multiproc_dummy_run(tmp_path, "resnet18", *precision)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    for line in ("stem max-pool on Triton kernels", "BatchNorm + add + ReLU fused in Triton",
+                 "torch.compile with CUDA graphs (reduce-overhead)", "=> first step done"):
+        assert line in out, out[-3000:]
+    assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
