@@ -325,8 +325,8 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     # the average is an fp32 model: evaluate it in fp32
     ema = validate(model=state.ema.model, loader=start.val_loader, criterion=state.criterion, precision=Precision(),
                    ctx=ctx, opts=opts, name="weight average")
-    start.val_loader.decode_counts()  # the same images again: counted once, above
-    val.skipped_paths += ema.skipped_paths
+    # The same images again: their decodes and unreadable files were counted once, above.
+    start.val_loader.decode_counts()
     return val, {"val_loss_ema": ema.loss, "val_acc1_ema": ema.acc1, "val_acc5_ema": ema.acc5}, decoded
 
 
