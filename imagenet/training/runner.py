@@ -254,9 +254,14 @@ def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
     return None
 
 
+def _scheduled_lrs(scheduler, iteration: int) -> list:
+    """The rates of the optimizer's parameter groups at ``iteration`` of the schedule."""
+    return [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+
+
 def _align_schedule(scheduler, iteration: int) -> None:
     scheduler.last_epoch = iteration
-    lrs = [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    lrs = _scheduled_lrs(scheduler, iteration)
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     set_last_lr(scheduler, lrs)
@@ -271,7 +276,10 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     run_start = time.perf_counter()
     steady, epochs_run, last = Steady(), 0, {}
     for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
-        epoch_start, lr_start = time.perf_counter(), state.lr
+        epoch_start = time.perf_counter()
+        # the rate of the epoch's first step (state.lr's group); one resumed in its middle took
+        # that step in an earlier process, at the rate the schedule gives there
+        lr_start = state.lr if progress.step == 0 else _scheduled_lrs(state.scheduler, epoch * start.iters)[0]
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
                                 stop=stop.should_stop, on_step=saver.step_hook(state, progress))
