@@ -644,10 +644,26 @@ def test_model_best_written_even_when_accuracy_is_zero(data_root, tmp_path, monk
 
     monkeypatch.setattr(runner, "validate", zero_accuracy)
     out = tmp_path / "out"
-    res = run_captured(trainer_args(data_root, out, "--epochs", 1, "--prof", 1))
+    res = run_captured(trainer_args(data_root, out, "--epochs", 1))
     assert res.rc == 0, res.err[-2000:]
     assert (out / CKPT).is_file()
     assert (out / BEST).is_file()
+
+
+def test_prof_leaves_no_checkpoint_to_resume(data_root, tmp_path):
+    """A --prof run trains and validates a few batches of one epoch: a checkpoint of it would say
+    the epoch was done (and model_best that a few batches were the best), so --resume auto or an
+    elastic restart in that folder would skip the epoch. It writes none, and says so."""
+    res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 3, "--prof", 2))
+    assert res.rc == 0, res.err[-2000:]
+    assert "no checkpoint is written" in res.out
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".pth.tar")]
+    res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 1, "--resume", "auto"))
+    assert res.rc == 0, res.err[-2000:]
+    assert "starting fresh" in res.out and "Epoch: [0][" in res.out
+    best, last = load(tmp_path / BEST), load(tmp_path / CKPT)
+    assert best["epoch"] == last["epoch"] == 1
+    assert best["best_acc1"] == metrics(tmp_path)[-1]["val_acc1"]  # the whole epoch's, not 2 batches'
 
 
 # ---------------------------------------------------------------------------------------- evaluate

@@ -125,7 +125,7 @@ class Config:
     print_freq: int = 10
     tensorboard: bool = False  # also write the per-epoch metrics to OUTPUT_DIR/tensorboard (needs tensorboard)
     progress: str = "auto"  # auto: a bar on a terminal, plain lines otherwise; bar; lines
-    prof: int = -1  # >0: run only this many iterations of one epoch, for profiling
+    prof: int = -1  # >0: run only this many iterations of one epoch, for profiling (no checkpoint written)
     config: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -155,7 +155,7 @@ _HELP = {
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
     "resume": "checkpoint to resume from, or 'auto' for OUTPUT_DIR/checkpoint.pth.tar",
     "tf32": "use TF32 on GPUs that support it (default on; --no-tf32 turns it off)",
-    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10)",
+    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }

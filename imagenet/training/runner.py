@@ -141,6 +141,9 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                        "or drop %s", "--fp16" if cfg.fp16 else "--amp float16", "--fp16" if cfg.fp16 else "--amp")
     logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
+    if cfg.prof > 0:
+        logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
+                    "checkpoint is written", cfg.prof, cfg.prof)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
