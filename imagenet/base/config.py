@@ -53,7 +53,7 @@ class Config:
     random_erase: float = 0.0  # probability of RandomErasing a rectangle of a training image
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
-    no_jpeg_draft: bool = False  # fast pipeline: never decode JPEGs at reduced DCT scale
+    no_jpeg_draft: bool = False  # fast pipeline: decode training JPEGs at full scale too (validation always is)
     decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
@@ -155,6 +155,9 @@ _HELP = {
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
     "resume": "checkpoint to resume from, or 'auto' for OUTPUT_DIR/checkpoint.pth.tar",
     "tf32": "use TF32 on GPUs that support it (default on; --no-tf32 turns it off)",
+    "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
+                     "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
+                     "decodes at full scale, as torchvision does",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
