@@ -27,6 +27,7 @@ from ..base.config import Config
 from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
 from ..base.torch_private import set_last_lr
+from ..base.wrappers import unwrap
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -328,6 +329,12 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
 def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
+    # Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
+    # come from its own batches. Every rank takes their mean before validating, so the model each
+    # rank scores is the one rank 0 then saves: -e on the checkpoint reproduces the epoch's Acc@1.
+    distributed.average_buffers(unwrap(state.model), ctx)
+    if state.ema is not None:
+        distributed.average_buffers(state.ema.model, ctx)
     val = validate(model=state.model, loader=start.val_loader, criterion=state.criterion, precision=state.precision,
                    ctx=ctx, opts=opts)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
