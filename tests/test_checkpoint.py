@@ -419,7 +419,7 @@ def test_unwritable_output_dir_during_training_is_a_user_error(base_run, data_ro
         return real(*args, **kwargs)
 
     monkeypatch.setattr({"os": ckpt_io.os, "tempfile": ckpt_io.tempfile}[module], name, refuse)
-    res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto", "--prof", 1))
+    res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto"))
     monkeypatch.undo()
     line = user_error_line(res)
     assert str(folder) in line and "No space left on device" in line and "intact" in line
@@ -441,7 +441,7 @@ def test_read_only_output_dir_is_a_user_error(base_run, data_root, tmp_path):
         else:
             probe.unlink()
             pytest.skip("this user (root?) can write into a 0o555 folder; covered by the simulated test")
-        res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto", "--prof", 1))
+        res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto"))
         line = user_error_line(res)
         assert str(folder) in line
     finally:
