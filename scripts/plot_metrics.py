@@ -5,10 +5,10 @@
 
 Each OUTPUT_DIR is a trainer ``--output-dir`` holding ``metrics.jsonl`` (one JSON object per epoch,
 written by ``imagenet.training.runlog``). The figure is a grid of panels: loss (train dashed, val solid),
-Acc@1 (train dashed, val solid, the best val epoch starred), learning rate, training img/s, loss
-scale (log y; "no loss scaling" when a run has none) and skipped steps/images per epoch. Several
-dirs overlay as lines of their own colour, labelled with the dir name, so runs can be compared
-(e.g. fp32 against fp16):
+Acc@1 (train dashed, val solid, the best val epoch starred), learning rate (at each epoch's first
+step), training img/s, loss scale (log y; "no loss scaling" when a run has none) and skipped
+steps/images per epoch. Several dirs overlay as lines of their own colour, labelled with the dir
+name, so runs can be compared (e.g. fp32 against fp16):
 
     python scripts/plot_metrics.py runs/r50-fp32 runs/r50-fp16 --out r50.png --title "ResNet-50, 1 H200"
 
@@ -201,7 +201,7 @@ def draw(runs: List[tuple], title: str, out: str) -> None:
         ax_loss.set_yscale("log")
     ax_loss.set_title("Loss" + (" (log y)" if log_loss else ""))
     ax_acc.set_title("Acc@1 (%)  \u2605 best val")
-    ax_lr.set_title("Learning rate (end of epoch)")
+    ax_lr.set_title("Learning rate (epoch's first step)")
     ax_speed.set_title("Training throughput (img/s)")
     _from_zero(ax_speed, [r["img_per_s"] for _, recs in runs for r in recs])
     ax_scale.set_title("Loss scale (log y)")

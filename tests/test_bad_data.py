@@ -335,11 +335,14 @@ def make_one_survivor_tree(root: Path) -> None:
     write_files(root / "val" / "b", {"good.JPEG": _encoded(_rgb(1), "JPEG"), "empty.JPEG": b""})
 
 
+EXACT = "the tree's own fraction of unreadable images"  # a stand-in, replaced once the tree is written
 RUNS = {  # name -> (tree, extra flags)
     "fast": ("data", ["--max-bad-fraction", "0.6"]),
     "classic": ("data", ["--max-bad-fraction", "0.6", "--data-pipeline", "classic"]),
     "strict": ("data", ["--max-bad-fraction", "0.1"]),
     "one-survivor": ("one", ["--max-bad-fraction", "1", "-j", "0"]),
+    # validates twice (the model, the weight average), at a limit that only a miscount goes over
+    "ema": ("data", ["--model-ema", "0.9", "--max-bad-fraction", EXACT]),
 }
 
 
@@ -352,7 +355,9 @@ def cli(tmp_path_factory):
         make_one_survivor_tree(base / "one")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         procs, outs = {}, {}
+        exact = repr(len(bad) / (n_train + n_val))  # the run stops only above it
         for name, (tree, extra) in RUNS.items():
+            extra = [exact if arg is EXACT else arg for arg in extra]
             outs[name] = base / f"out-{name}"
             cmd = [sys.executable, "main.py", str(base / tree), "-a", "resnet18", "-b", str(BATCH), "-j", "2",
                    "--image-size", "16", "--val-resize", "16", "--epochs", "1", "--seed", "0",
@@ -400,6 +405,19 @@ def test_cli_skips_counts_and_lists_exactly_the_unreadable_files(cli, run):
     assert _real(listed) == _real(cli.bad)
     assert not _real(listed) & _real(cli.converted)
     assert (out / "checkpoint.pth.tar").is_file()
+
+
+def test_cli_with_model_ema_counts_each_unreadable_image_once(cli):
+    """The weight average is validated on the same images: their unreadable ones are the same
+    files, counted once, so --max-bad-fraction trips at the rate it does without --model-ema."""
+    rc, stdout, stderr = cli.results["ema"]
+    assert rc == 0, f"exit {rc}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
+    rec = json.loads((cli.outs["ema"] / "metrics.jsonl").read_text().splitlines()[0])
+    plain = json.loads((cli.outs["fast"] / "metrics.jsonl").read_text().splitlines()[0])
+    assert "val_acc1_ema" in rec and "val_acc1_ema" not in plain
+    assert rec["skipped_images"] == plain["skipped_images"] == len(cli.bad), rec
+    listed = [line.split("\t", 1)[1] for line in (cli.outs["ema"] / "skipped_images.txt").read_text().splitlines()]
+    assert len(listed) == len(set(listed)) == len(cli.bad) and _real(listed) == _real(cli.bad)
 
 
 def test_cli_stops_past_max_bad_fraction_with_one_error_line(cli):

@@ -204,6 +204,34 @@ def test_model_best_matches_checkpoint_after_a_best_epoch(base_run):
     best, last = load(base_run.dir / BEST), load(base_run.dir / CKPT)
     assert best["epoch"] == last["epoch"] == 1
     assert_same_tensors(best["state_dict"], last["state_dict"], "model_best vs checkpoint")
+    assert os.path.samefile(base_run.dir / BEST, base_run.dir / CKPT)  # one file on disk, two names
+
+
+def test_model_best_is_a_hard_link_that_the_next_checkpoint_leaves_alone(tmp_path):
+    ckpt_io.save_checkpoint({"epoch": 1}, str(tmp_path), is_best=True)
+    assert os.path.samefile(tmp_path / BEST, tmp_path / CKPT)
+    inode = os.stat(tmp_path / BEST).st_ino
+    ckpt_io.save_checkpoint({"epoch": 2}, str(tmp_path), is_best=False)  # a worse epoch
+    assert os.stat(tmp_path / BEST).st_ino == inode and load(tmp_path / BEST) == {"epoch": 1}
+    assert load(tmp_path / CKPT) == {"epoch": 2}
+    ckpt_io.save_checkpoint({"epoch": 3}, str(tmp_path), is_best=True)
+    assert os.path.samefile(tmp_path / BEST, tmp_path / CKPT) and load(tmp_path / BEST) == {"epoch": 3}
+    assert leftovers(tmp_path) == []
+
+
+def _no_hard_links(monkeypatch):
+    def link(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")  # what some network and FUSE mounts say
+    monkeypatch.setattr(ckpt_io.os, "link", link)
+
+
+def test_model_best_is_a_copy_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    _no_hard_links(monkeypatch)
+    ckpt_io.save_checkpoint({"epoch": 1}, str(tmp_path), is_best=True)
+    ckpt_io.save_checkpoint({"epoch": 2}, str(tmp_path), is_best=False)
+    assert not os.path.samefile(tmp_path / BEST, tmp_path / CKPT)
+    assert load(tmp_path / BEST) == {"epoch": 1} and load(tmp_path / CKPT) == {"epoch": 2}
+    assert leftovers(tmp_path) == []
 
 
 def _set_best_acc1(path, value: float):
@@ -304,17 +332,19 @@ def test_crash_during_save_keeps_previous_checkpoint(base_run, tmp_path, monkeyp
     assert load(folder / CKPT)["epoch"] == 1
 
 
-def test_crash_while_writing_model_best_keeps_both_files_whole(base_run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("links", [True, False], ids=["hard-link", "copy"])
+def test_crash_while_writing_model_best_keeps_both_files_whole(base_run, tmp_path, monkeypatch, links):
     folder = copy_run(base_run.dir, tmp_path / "run", names=(CKPT, BEST))
-    real_save, calls = torch.save, []
+    if not links:
+        _no_hard_links(monkeypatch)
+    real_replace = os.replace
 
-    def save(obj, f, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            return _crashing_save(RuntimeError("crash in the second file"))(obj, f)
-        return real_save(obj, f, *args, **kwargs)
+    def replace(src, dst, *args, **kwargs):  # death after model_best's new name is made, before it is in place
+        if os.path.basename(dst) == BEST:
+            raise RuntimeError("crash in the second file")
+        return real_replace(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_io.torch, "save", save)
+    monkeypatch.setattr(ckpt_io.os, "replace", replace)
     with pytest.raises(RuntimeError):
         ckpt_io.save_checkpoint({"epoch": 99}, str(folder), is_best=True)
     monkeypatch.undo()
@@ -389,7 +419,7 @@ def test_unwritable_output_dir_during_training_is_a_user_error(base_run, data_ro
         return real(*args, **kwargs)
 
     monkeypatch.setattr({"os": ckpt_io.os, "tempfile": ckpt_io.tempfile}[module], name, refuse)
-    res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto", "--prof", 1))
+    res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto"))
     monkeypatch.undo()
     line = user_error_line(res)
     assert str(folder) in line and "No space left on device" in line and "intact" in line
@@ -411,7 +441,7 @@ def test_read_only_output_dir_is_a_user_error(base_run, data_root, tmp_path):
         else:
             probe.unlink()
             pytest.skip("this user (root?) can write into a 0o555 folder; covered by the simulated test")
-        res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto", "--prof", 1))
+        res = run_captured(trainer_args(data_root, folder, "--epochs", 2, "--resume", "auto"))
         line = user_error_line(res)
         assert str(folder) in line
     finally:
@@ -614,10 +644,26 @@ def test_model_best_written_even_when_accuracy_is_zero(data_root, tmp_path, monk
 
     monkeypatch.setattr(runner, "validate", zero_accuracy)
     out = tmp_path / "out"
-    res = run_captured(trainer_args(data_root, out, "--epochs", 1, "--prof", 1))
+    res = run_captured(trainer_args(data_root, out, "--epochs", 1))
     assert res.rc == 0, res.err[-2000:]
     assert (out / CKPT).is_file()
     assert (out / BEST).is_file()
+
+
+def test_prof_leaves_no_checkpoint_to_resume(data_root, tmp_path):
+    """A --prof run trains and validates a few batches of one epoch: a checkpoint of it would say
+    the epoch was done (and model_best that a few batches were the best), so --resume auto or an
+    elastic restart in that folder would skip the epoch. It writes none, and says so."""
+    res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 3, "--prof", 2))
+    assert res.rc == 0, res.err[-2000:]
+    assert "no checkpoint is written" in res.out
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".pth.tar")]
+    res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 1, "--resume", "auto"))
+    assert res.rc == 0, res.err[-2000:]
+    assert "starting fresh" in res.out and "Epoch: [0][" in res.out
+    best, last = load(tmp_path / BEST), load(tmp_path / CKPT)
+    assert best["epoch"] == last["epoch"] == 1
+    assert best["best_acc1"] == metrics(tmp_path)[-1]["val_acc1"]  # the whole epoch's, not 2 batches'
 
 
 # ---------------------------------------------------------------------------------------- evaluate

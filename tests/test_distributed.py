@@ -557,3 +557,63 @@ def test_an_error_on_rank_0_alone_stops_every_rank_with_a_message(dataset, tmp_p
     rank1 = (logs / "GPU_1.log").read_text()
     assert "rank 0 could not start" in rank1 and "the terminal" in rank1
     assert "Traceback" not in r.stdout + r.stderr + rank1
+
+
+# ------------------------------------------- 10. the model validated is the model saved
+
+EVAL_SPY = r'''
+"""main.py, saving the BatchNorm statistics of every model this rank validates (before it does)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+from imagenet.base.wrappers import unwrap
+from imagenet.cli import main
+from imagenet.training import runner
+
+real_validate, spy_dir = runner.validate, sys.argv[2]
+
+
+def validate(**kwargs):
+    stats = {k: v.detach().clone() for k, v in unwrap(kwargs["model"]).state_dict().items() if "running_" in k}
+    which = "ema" if kwargs.get("name") else "model"
+    torch.save(stats, os.path.join(spy_dir, f"{which}-rank{os.environ['RANK']}.pt"))
+    return real_validate(**kwargs)
+
+
+runner.validate = validate
+sys.exit(main(sys.argv[3:]))
+'''
+
+
+def test_every_rank_validates_the_model_the_checkpoint_holds(dataset, tmp_path):
+    """Each rank's BatchNorm statistics come from its own batches; validation and the checkpoint
+    must see the same ones (the ranks' average), for the model and for the weight average, so
+    that -e on the checkpoint reproduces the epoch's Acc@1."""
+    driver, spy, out = tmp_path / "eval_spy.py", tmp_path / "spy", tmp_path / "out"
+    driver.write_text(EVAL_SPY)
+    spy.mkdir()
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, driver, REPO, spy, dataset["root"], *TINY,
+                      "-b", 8, "--lr", 0.02, "--epochs", 1, "--model-ema", "0.9", "--dist-backend", "gloo",
+                      "--output-dir", out))
+    assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "GPU_1.log").read_text()
+    ckpt = torch.load(out / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    for which, saved in (("model", ckpt["state_dict"]), ("ema", ckpt["state_dict_ema"])):
+        for rank in (0, 1):
+            evaluated = torch.load(spy / f"{which}-rank{rank}.pt", weights_only=True)
+            assert evaluated, which
+            differ = [k for k, v in evaluated.items() if not torch.equal(v, saved[k])]
+            assert not differ, f"rank {rank} validated other {which} statistics than saved: {differ[:3]}"
+    # main.py -e on the checkpoint, in one process, with its result (the loss too) on the last line
+    evaluate = ("import json, sys; sys.path.insert(0, sys.argv[1]); from imagenet.base.config import parse_config; "
+                "from imagenet.training.runner import run; print(json.dumps(run(parse_config(sys.argv[2:]))))")
+    r = run([sys.executable, "-c", evaluate, str(REPO), str(dataset["root"]), *TINY, "-b", "8", "-e", "--resume",
+             str(out / "checkpoint.pth.tar"), "--output-dir", str(tmp_path / "eval")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    got, rec = json.loads(r.stdout.splitlines()[-1]), read_metrics(out)[0]
+    assert got["val_samples"] == rec["val_samples"] == dataset["n_val"]
+    assert (got["val_acc1"], got["val_acc5"]) == pytest.approx((rec["val_acc1"], rec["val_acc5"]))
+    # the same sums in another order (two shards, one process): fp32 rounding only
+    assert got["val_loss"] == pytest.approx(rec["val_loss"], rel=1e-5)

@@ -102,7 +102,7 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
     photo(70, 90, 8).save(png, "PNG")
     photo(80, 100, 7).convert("CMYK").save(cmyk, "JPEG")
     for size, make in ((56, lambda: TrainDecoder(56, 0.3, 0.5, draft=False)),
-                       (224, lambda: ValDecoder(224, 256, draft=False))):
+                       (224, lambda: ValDecoder(224, 256))):
         reader = (TrainJpegReader if isinstance(make(), TrainDecoder) else ValJpegReader)(make())
         items, wants = [], []
         for k, path in enumerate(paths + [png, cmyk]):

@@ -52,9 +52,41 @@ def test_train_decode_equals_torchvision_for_the_same_crop(photo, params, flip):
 
 @pytest.mark.parametrize("size, resize", [(64, 73), (224, 256), (32, 32)])
 def test_val_decode_equals_resize_then_center_crop(photo, size, resize):
-    got = ValDecoder(size, resize, draft=False)(photo)
+    got = ValDecoder(size, resize)(photo)
     ref = F.center_crop(F.resize(reference(photo), resize), size)
     assert_pil_equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def imagenet_sized(tmp_path_factory):
+    """An ImageFolder of real photos (scikit-image's samples) scaled up to two of ImageNet's
+    shapes, 1024x683 and 1601x1203, as JPEGs: large enough for libjpeg's reduced-scale decode."""
+    data = pytest.importorskip("skimage.data")
+    root = tmp_path_factory.mktemp("imagenet_sized")
+    for name, size in (("coffee", (1024, 683)), ("chelsea", (1601, 1203))):
+        for split in ("train", "val"):
+            (root / split / name).mkdir(parents=True)
+            Image.fromarray(getattr(data, name)()).resize(size, Image.BICUBIC).save(root / split / name / "a.JPEG",
+                                                                                    quality=90)
+    return root
+
+
+@pytest.mark.parametrize("crop, resize", [(224, 232), (224, 256)])
+@pytest.mark.parametrize("flags", [[], ["--no-jpeg-draft"]], ids=["default", "no-jpeg-draft"])
+def test_fast_validation_is_torchvisions_resize_and_center_crop(imagenet_sized, crop, resize, flags):
+    """What --data-pipeline classic runs (torchvision's Resize + CenterCrop), within one level, by
+    default: validation never decodes at reduced DCT scale."""
+    from imagenet.base.config import parse_config
+    from imagenet.data.loaders import build_datasets
+    cfg = parse_config([str(imagenet_sized), "--image-size", str(crop), "--val-resize", str(resize), *flags])
+    val = build_datasets(cfg, str(imagenet_sized)).val
+    torchvisions = transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(crop)])
+    for i, (path, _) in enumerate(val.samples):
+        got, _, bad = val[i]
+        assert bad is None
+        want = torch.from_numpy(np.asarray(torchvisions(reference(path))).copy())
+        assert got.shape == want.shape == (crop, crop, 3)
+        assert int((got.int() - want.int()).abs().max()) <= 1, path
 
 
 def test_draft_decode_stays_within_a_few_levels(photo):
@@ -75,7 +107,7 @@ def test_train_decoder_draws_crops_like_random_resized_crop(photo):
 
 
 def test_device_loader_normalises_like_to_tensor_and_normalize(photo):
-    img = ValDecoder(32, 40, draft=False)(photo)
+    img = ValDecoder(32, 40)(photo)
     # the normalisation alone, on the decoder's own pixels (their resize: the tests above)
     ref = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)(transforms.ToTensor()(Image.fromarray(img.numpy())))
     batch = [(img, 1, None), (img, 2, None)]
@@ -92,7 +124,7 @@ def test_on_a_cpu_the_workers_normalise_and_the_training_process_only_passes_bat
     """Training on a CPU, the collate in the workers makes the float batch; what reaches the loop
     is what the device-side conversion of the uint8 batch gives, bit for bit."""
     from imagenet.data.loaders import CollateNormalized, collate_for
-    img = ValDecoder(32, 40, draft=False)(photo)
+    img = ValDecoder(32, 40)(photo)
     batch = [(img, 1, None), (img.flip(1).contiguous(), 2, None), (None, 0, "bad.JPEG")]
     collate = collate_for(torch.device("cpu"))
     assert isinstance(collate, CollateNormalized) and collate_for(torch.device("cuda")) is collate_skipping

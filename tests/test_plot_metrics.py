@@ -111,6 +111,9 @@ def test_two_runs_overlay_in_one_png(runs, tmp_path, capsys, figures):
     assert len(loss.lines) == 4  # train and val per run
     assert len(acc.lines) == 6  # train, val and the best-val star per run
     assert len(lr.lines) == len(speed.lines) == 2
+    # the panel plots `lr`, the rate at each epoch's first step (lr_end is the rate after its last)
+    assert list(lr.lines[0].get_ydata()) == FP32["lr"]
+    assert "first step" in lr.get_title() and "end" not in lr.get_title()
     assert len(scale.lines) == 1 and scale.get_yscale() == "log"  # only fp16 scales its loss
     assert scale.get_title().endswith("no loss scaling: fp32")
     assert len(skipped.lines) == 2  # fp16's overflow steps and unreadable images; fp32 skipped nothing

@@ -17,6 +17,7 @@ from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
 
 REPO = Path(__file__).resolve().parents[1]
+COSINE = ("--lr-schedule", "cosine")  # a rate that changes every step: a resume point shows in it
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def signal_when(proc, prefix):
 @pytest.fixture(scope="module")
 def straight(digits, tmp_path_factory):
     with scratch(tmp_path_factory, "straight") as out:
-        assert main(args(digits, out)) == 0
+        assert main(args(digits, out, *COSINE)) == 0
         yield dict(weights(out), _dir=str(out))
 
 
@@ -57,21 +58,23 @@ def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, mo
                 raise KeyboardInterrupt
         return real(*a, **dict(k, on_step=hook))
     monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
-    assert main(args(digits, tmp_path, "--save-every-steps", "5")) == 130
+    assert main(args(digits, tmp_path, *COSINE, "--save-every-steps", "5")) == 130
     ckpt = weights(tmp_path)
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 5)
     monkeypatch.undo()
-    assert main(args(digits, tmp_path, "--resume", "auto")) == 0
+    assert main(args(digits, tmp_path, *COSINE, "--resume", "auto")) == 0
     assert_same_run(straight, weights(tmp_path))
-    # the resumed epoch reports the whole epoch, as the straight run does
+    # the resumed epoch reports the whole epoch, as the straight run does: `lr` is the rate at its
+    # first step, not at the resume point
     straight_rows = [json.loads(x) for x in open(Path(straight["_dir"]) / "metrics.jsonl")]
     resumed_rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    for key in ("train_samples", "train_loss", "train_acc1", "train_acc5"):
+    assert straight_rows[-1]["lr"] > straight_rows[-1]["lr_end"]
+    for key in ("lr", "lr_end", "train_samples", "train_loss", "train_acc1", "train_acc5"):
         assert resumed_rows[-1][key] == pytest.approx(straight_rows[-1][key], rel=1e-9), key
 
 
 def test_sigterm_writes_a_checkpoint_and_resume_matches_a_straight_run(digits, straight, tmp_path):
-    cmd = [sys.executable, "main.py", *args(digits, tmp_path)]
+    cmd = [sys.executable, "main.py", *args(digits, tmp_path, *COSINE)]
     # the same thread count as the in-process straight run: float sums must happen in one order
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -82,7 +85,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_matches_a_straight_run(digits, s
     assert "stopped by SIGTERM" in out and "--resume auto" in out
     ckpt = weights(tmp_path)
     assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 15
-    assert main(args(digits, tmp_path, "--resume", "auto")) == 0
+    assert main(args(digits, tmp_path, *COSINE, "--resume", "auto")) == 0
     assert_same_run(straight, weights(tmp_path))
 
 

@@ -3,7 +3,8 @@
 A checkpoint is a plain dict of tensors and Python primitives, so it loads without unpickling
 arbitrary objects. Writes go to a temporary file in the same folder, are flushed to disk, and
 then renamed over the old file: a crash at any moment leaves either the old or the new
-checkpoint, never a torn one. The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``,
+checkpoint, never a torn one; ``model_best.pth.tar``, when the latest epoch is the best, is a
+hard link to that file, made and renamed into place the same way. The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``,
 so a latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one
 to fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads
 a flipped byte without complaint) and takes the newest intact one.
@@ -82,11 +83,20 @@ def _keep_as(path: str, previous: str) -> None:
             os.link(path, tmp)
         except OSError:  # no hard links on this file system (some network and FUSE mounts)
             shutil.copyfile(path, tmp)
+            _fsync_file(tmp)  # the bytes on disk before the name: a crash leaves the old file or this one
         os.replace(tmp, previous)
     except BaseException:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_folder(folder: str) -> None:
@@ -102,12 +112,18 @@ def _fsync_folder(folder: str) -> None:
 
 def save_checkpoint(state: dict, output_dir: str, is_best: bool) -> str:
     """Write ``checkpoint.pth.tar`` (and ``model_best.pth.tar`` when ``is_best``); the checkpoint
-    it replaces becomes ``checkpoint.prev.pth.tar``."""
+    it replaces becomes ``checkpoint.prev.pth.tar``.
+
+    ``model_best.pth.tar`` is a second name of the checkpoint file just written (a copy where the
+    file system has no hard links), not a second copy of its bytes. Nothing rewrites a checkpoint
+    file in place: the next save gives the name ``checkpoint.pth.tar`` to a new file, so the
+    file model_best names keeps its content."""
     path = os.path.join(output_dir, CHECKPOINT)
     try:
         atomic_save(state, path, previous=os.path.join(output_dir, PREVIOUS))
         if is_best:
-            atomic_save(state, os.path.join(output_dir, BEST))
+            _keep_as(path, os.path.join(output_dir, BEST))
+            _fsync_folder(output_dir)
     except (OSError, RuntimeError) as e:
         # torch.save reports a full disk as a RuntimeError from its zip writer, the OSError inside.
         cause = e if isinstance(e, OSError) else e.__context__

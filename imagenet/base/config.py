@@ -53,7 +53,7 @@ class Config:
     random_erase: float = 0.0  # probability of RandomErasing a rectangle of a training image
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
-    no_jpeg_draft: bool = False  # fast pipeline: never decode JPEGs at reduced DCT scale
+    no_jpeg_draft: bool = False  # fast pipeline: decode training JPEGs at full scale too (validation always is)
     decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
@@ -129,7 +129,7 @@ class Config:
     print_freq: int = 10
     tensorboard: bool = False  # also write the per-epoch metrics to OUTPUT_DIR/tensorboard (needs tensorboard)
     progress: str = "auto"  # auto: a bar on a terminal, plain lines otherwise; bar; lines
-    prof: int = -1  # >0: run only this many iterations of one epoch, for profiling
+    prof: int = -1  # >0: run only this many iterations of one epoch, for profiling (no checkpoint written)
     config: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -164,7 +164,10 @@ _HELP = {
                "applies; the banner says what was chosen and why), off, default, reduce-overhead, max-autotune",
     "bn_kernel": "training BatchNorm + add + ReLU: auto (default: our fused Triton kernels on GPUs where they "
                  "apply), torch, triton",
-    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10)",
+    "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
+                     "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
+                     "decodes at full scale, as torchvision does",
+    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }

@@ -1,17 +1,18 @@
 """Fast CPU image decoding: file -> cropped, resized uint8 HWC tensor, in one resize.
 
 The crop box of RandomResizedCrop depends only on the image size, which the JPEG header gives
-before any pixel is decoded. Knowing the box first lets libjpeg decode at 1/2, 1/4 or 1/8 scale
-(PIL's draft mode: the scaling happens inside the inverse DCT, almost for free) whenever the
-crop would still be at least the output size, and the image is resized once. The output stays
+before any pixel is decoded. Knowing the box first lets libjpeg decode training images at 1/2,
+1/4 or 1/8 scale (PIL's draft mode: the scaling happens inside the inverse DCT, almost for free)
+whenever the crop would still be at least the output size, and the image is resized once.
+Validation images are always decoded at full scale (see :class:`ValDecoder`). The output stays
 uint8 (a quarter of float32's bytes through worker queues, pinned memory and the PCIe copy);
 conversion and normalisation happen on the device (:mod:`imagenet.data.prefetch`).
 
 The resize is torch's uint8 antialiased bilinear kernel, which computes PIL's filter with PIL's
 fixed-point weights at 2-3x PIL's speed (0.39 vs 0.77 ms for a 300x270 crop to 224 px, one
-core of the 2-core machine): without draft mode the result is torchvision's
-RandomResizedCrop/flip (train) or Resize/CenterCrop (val) on the same crop parameters within
-one level, the same in all but a few pixels in a thousand.
+core of the 2-core machine): the result is torchvision's Resize/CenterCrop (val), and without
+draft mode its RandomResizedCrop/flip (train) on the same crop parameters, within one level, the
+same in all but a few pixels in a thousand.
 """
 
 from __future__ import annotations
@@ -130,12 +131,15 @@ class TrainDecoderReader:
 
 
 class ValDecoder:
-    """Path -> Resize(shorter side = resize) + CenterCrop(size), as uint8 HWC."""
+    """Path -> Resize(shorter side = resize) + CenterCrop(size), as uint8 HWC.
 
-    def __init__(self, size: int, resize: int, draft: bool = True):
+    Always from the full-scale decode: a JPEG decoded at reduced DCT scale and then resized
+    differs from torchvision's Resize by tens of levels (up to 56 on a 1601x1203 photo at
+    224/256), and a validation score must be comparable with torchvision's."""
+
+    def __init__(self, size: int, resize: int):
         self.size = size
         self.resize = resize
-        self.draft = draft
 
     def __call__(self, path: str) -> torch.Tensor:
         with Image.open(path) as img:
@@ -153,7 +157,5 @@ class ValDecoder:
     def decode(self, img: Image.Image) -> torch.Tensor:
         w, h = img.size
         new_w, new_h, top, left = self.geometry(w, h)
-        if self.draft:
-            _draft(img, min(w / new_w, h / new_h))
         out = _resized(_to_tensor(_rgb(img)), new_h, new_w)
         return out[top:top + self.size, left:left + self.size].contiguous()

@@ -82,13 +82,12 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
     classes = check_layout(root)
     if cfg.data_pipeline == "fast":
-        draft = not cfg.no_jpeg_draft
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
                  if cfg.random_erase > 0 else None)
-        train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=draft,
+        train_tf = TrainDecoder(cfg.image_size, cfg.min_crop_scale, cfg.hflip, draft=not cfg.no_jpeg_draft,
                                 augment=augment_policy(cfg.auto_augment), erase=erase)
-        val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize, draft=draft), path_identity
+        val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize), path_identity  # never a reduced-scale decode
         pipeline = "fast: workers decode, crop, resize and flip"
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)

@@ -368,6 +368,29 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
+@torch.no_grad()
+def average_buffers(module: nn.Module, ctx: DistContext) -> None:
+    """Set every floating-point buffer of ``module`` (BatchNorm's running statistics) to its mean
+    over the ranks, in place, the same on every rank; no-op outside DDP.
+
+    DDP keeps buffers per rank: each rank's statistics follow its own batches. Every rank runs
+    the same number of batches of the same size, so each rank's statistics weigh the same and
+    their plain mean is the estimate from all of them (timm's ``--dist-bn reduce``). One
+    all-reduce per dtype, of the buffers laid end to end."""
+    if not ctx.distributed:
+        return
+    groups: dict = {}
+    for buf in module.buffers():
+        if buf.is_floating_point():
+            groups.setdefault(buf.dtype, []).append(buf)
+    for bufs in groups.values():
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= ctx.world_size
+        for buf, mean in zip(bufs, flat.split([b.numel() for b in bufs])):
+            buf.copy_(mean.view_as(buf))
+
+
 def agree_started(failure: Optional[BaseException], ctx: DistContext) -> None:
     """Every rank says whether its start-up failed; if any did, every rank stops with a message.
 

@@ -28,7 +28,7 @@ from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.torch_private import set_last_lr
-from ..base.wrappers import uncompiled
+from ..base.wrappers import uncompiled, unwrap
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -154,6 +154,9 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                        "or drop %s", "--fp16" if cfg.fp16 else "--amp float16", "--fp16" if cfg.fp16 else "--amp")
     logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
+    if cfg.prof > 0:
+        logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
+                    "checkpoint is written", cfg.prof, cfg.prof)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
@@ -272,9 +275,14 @@ def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
     return None
 
 
+def _scheduled_lrs(scheduler, iteration: int) -> list:
+    """The rates of the optimizer's parameter groups at ``iteration`` of the schedule."""
+    return [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+
+
 def _align_schedule(scheduler, iteration: int) -> None:
     scheduler.last_epoch = iteration
-    lrs = [base * fn(iteration) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    lrs = _scheduled_lrs(scheduler, iteration)
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     set_last_lr(scheduler, lrs)
@@ -291,7 +299,10 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     first = _FirstStep(started, ctx, cfg.compile)
     steady, epochs_run, last = Steady(), 0, {}
     for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
-        epoch_start, lr_start = time.perf_counter(), state.lr
+        epoch_start = time.perf_counter()
+        # the rate of the epoch's first step (state.lr's group); one resumed in its middle took
+        # that step in an earlier process, at the rate the schedule gives there
+        lr_start = state.lr if progress.step == 0 else _scheduled_lrs(state.scheduler, epoch * start.iters)[0]
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
                                 stop=stop.should_stop, on_step=first.hook(saver.step_hook(state, progress)))
@@ -361,9 +372,14 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
 def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
-    # Validation runs the model uncompiled: evaluation is a tenth of an epoch's work and mostly
-    # waits for its input, while compiling the evaluation graph (a second graph, the last partial
-    # batch a third shape) would add its own start-up wait to the first epoch.
+    # Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
+    # come from its own batches. Every rank takes their mean before validating, so the model each
+    # rank scores is the one rank 0 then saves: -e on the checkpoint reproduces the epoch's Acc@1.
+    distributed.average_buffers(unwrap(state.model), ctx)
+    if state.ema is not None:
+        distributed.average_buffers(state.ema.model, ctx)
+    # The model runs uncompiled here: evaluation is a tenth of an epoch's work, and compiling its
+    # graph (a second graph, the last partial batch a third shape) would add a start-up wait of its own.
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
                    precision=state.precision, ctx=ctx, opts=opts)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
@@ -372,8 +388,8 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     # the average is an fp32 model: evaluate it in fp32
     ema = validate(model=state.ema.model, loader=start.val_loader, criterion=state.criterion, precision=Precision(),
                    ctx=ctx, opts=opts, name="weight average")
-    start.val_loader.decode_counts()  # the same images again: counted once, above
-    val.skipped_paths += ema.skipped_paths
+    # The same images again: their decodes and unreadable files were counted once, above.
+    start.val_loader.decode_counts()
     return val, {"val_loss_ema": ema.loss, "val_acc1_ema": ema.acc1, "val_acc5_ema": ema.acc5}, decoded
 
 

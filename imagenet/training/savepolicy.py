@@ -5,7 +5,9 @@ A checkpoint is the training state's ``state_dict()``, the progress's, the RNG s
 rank, and the resolved config. Saves happen after each epoch (model_best too when the epoch
 is the best so far), every ``--save-every-steps`` optimizer steps, and when a stop signal ends
 an epoch early. Every rank calls :meth:`CheckpointPolicy.save` (the RNG states are gathered
-from all of them); rank 0 writes.
+from all of them); rank 0 writes. A ``--prof`` run saves nothing: it trains and validates a few
+batches, and a checkpoint of it would claim a finished epoch and a best Acc@1 that ``--resume
+auto`` (or an elastic restart) in that folder would take for real.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from .state import Progress, TrainState
 class CheckpointPolicy:
     def __init__(self, cfg, ctx, classes: list):
         self.cfg, self.ctx, self.classes = cfg, ctx, list(classes)
+        self.writes = cfg.prof < 0  # the same on every rank: none enters the gather below alone
 
     def save(self, state: TrainState, progress: Progress, is_best: bool = False) -> None:
+        if not self.writes:
+            return
         rng = distributed.gather_objects(ckpt_io.capture_rng(), self.ctx)
         if not self.ctx.is_main:
             return
@@ -60,7 +65,9 @@ class CheckpointPolicy:
     def stopped(self, state: TrainState, progress: Progress, stop: StopRequest) -> Preempted:
         """Save where a stop signal ended the epoch; the exception to end the run with."""
         self.save(state, progress)
+        stopped = f"stopped by {stop.name} in epoch {progress.epoch} after step {progress.step}"
+        if not self.writes:
+            return Preempted(stop.signum, f"{stopped}; no checkpoint written (--prof)")
         where = os.path.join(self.cfg.output_dir, ckpt_io.CHECKPOINT)
-        return Preempted(stop.signum, f"stopped by {stop.name} in epoch {progress.epoch} after step {progress.step}; "
-                                      f"checkpoint written to {where}: run the same command with --resume auto "
-                                      "to continue")
+        return Preempted(stop.signum, f"{stopped}; checkpoint written to {where}: run the same command with "
+                                      "--resume auto to continue")
