@@ -132,7 +132,7 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
                    LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
     assert out.steps == 2
     from imagenet.base.errors import UserError
-    with pytest.raises(UserError, match="NaN/inf for 4 steps"):
+    with pytest.raises(UserError, match="NaN/inf for 3 steps"):
         epoch_of(net(), loader, opt, sched, Precision(), CPU,
                  LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
 

@@ -118,6 +118,8 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     if progress.sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
         sums.seed(progress.sums)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
+    # the longest run so far: checked at print time only, when the run may have ended already
+    nonfinite_worst = torch.zeros((), dtype=torch.long, device=ctx.device)
     group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
@@ -149,6 +151,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
             group_has_data = False
             # consecutive optimizer steps with a NaN/inf loss (any of their passes)
             nonfinite_run = (nonfinite_run + 1) * group_nonfinite
+            nonfinite_worst = torch.maximum(nonfinite_worst, nonfinite_run)
             group_nonfinite.zero_()
             _optimizer_step(state, first=steps == 0)
             steps += 1
@@ -159,7 +162,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         if bar is not None:
             bar.update(1)
         if i % opts.print_freq == 0 or i == n - 1:
-            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+            _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
             avg = sums.totals(ctx, all_reduce_sum)
             if bar is not None:
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
@@ -176,7 +179,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         bar.close()
     steady = rate.finish()
     elapsed = time.perf_counter() - start
-    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+    _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
     partial = sums.raw(ctx, all_reduce_sum)
     totals = means(partial)
     return TrainResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
@@ -333,8 +336,8 @@ def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
 def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) -> None:
     # The worst rank decides, so that every rank stops at the same step instead of one waiting.
     run = all_reduce_max(run.clone(), ctx)
-    if limit and int(run) > limit:
-        raise UserError(f"the loss has been NaN/inf for {int(run)} steps in a row ({precision.name}); "
+    if limit and int(run) >= limit:
+        raise UserError(f"the loss was NaN/inf for {int(run)} steps in a row ({precision.name}); "
                         "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
                         "or raise --max-nonfinite-steps (0 disables this check)")
 
