@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from imagenet.base.errors import UserError
 from imagenet.parallel.distributed import DistContext
-from imagenet.precision import LossScaler, MasterWeightPrecision
+from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
 from imagenet.precision.optim import build_optimizer
 from imagenet.training.engine import LoopOptions
 from tests.helpers import epoch_of
@@ -59,3 +59,45 @@ def test_max_nonfinite_steps_n_stops_after_exactly_n_steps_in_a_row(print_freq):
         nan_run(nan_steps=3, limit=3, print_freq=print_freq)
     out = nan_run(nan_steps=2, limit=3, print_freq=print_freq)
     assert out.steps == 6 and out.skipped_steps == 2
+
+
+# ------------------------------------------------------------------ DDP: a rank whose batch is empty
+
+
+def bn_net():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 5))
+    with torch.no_grad():  # statistics that a batch of zeros would visibly pull (toward 0 and 0)
+        model[1].running_mean.fill_(0.5)
+        model[1].running_var.fill_(2.0)
+    return model
+
+
+EMPTY = (torch.empty(0), torch.empty(0, dtype=torch.long), ["unreadable.JPEG"])
+
+
+def test_a_stand_in_batch_leaves_batchnorm_statistics_alone(tmp_path):
+    """Under DDP a rank whose batch came out empty still joins the step's all-reduce, with a
+    stand-in batch of zero weight: its gradient is zero, and its BatchNorm statistics must not
+    move either (an all-zeros stand-in pulled them toward zero; a repeated batch counts twice)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    ddp_ctx = DistContext("ddp", torch.device("cpu"), "test", backend="gloo")
+    opts = LoopOptions(print_freq=100, input_shape=(3, 8, 8))
+
+    def buffers_after(batches):
+        model = nn.parallel.DistributedDataParallel(bn_net())
+        opt = sgd(model)
+        epoch_of(model, batches, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                 Precision(), ddp_ctx, opts)
+        return {k: v.clone() for k, v in model.module.named_buffers()}
+    try:
+        fresh = {k: v.clone() for k, v in bn_net().named_buffers()}
+        for k, v in buffers_after([EMPTY]).items():  # the all-zeros stand-in
+            assert torch.equal(v, fresh[k]), k
+        good = loader(1)
+        for k, v in buffers_after([*good, EMPTY]).items():  # the last good batch as the stand-in
+            assert torch.equal(v, buffers_after(good)[k]), k
+    finally:
+        dist.destroy_process_group()

@@ -208,7 +208,7 @@ def _forward_backward(state, images, targets, weight: float, accum: int, sync: b
     labels = targets
     if state.mixer is not None and weight:
         images, labels = state.mixer(images, targets)
-    with _grad_sync(state.model, sync):
+    with _grad_sync(state.model, sync), _buffers_kept(state.model, keep=not weight):
         output = state.precision.forward(state.model, images)
         loss = state.train_criterion(output, labels) * weight
         state.precision.backward(loss if accum == 1 else loss / accum)
@@ -326,6 +326,23 @@ def _schedule(scheduler, first: bool) -> None:
         # the optimizer; stepping it every iteration regardless is the intent.
         warnings.filterwarnings("ignore", message=_SCHEDULE_WARNING)
         scheduler.step()
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module, keep: bool):
+    """With ``keep``, the model's buffers as they were before: a stand-in batch's forward pass
+    (zero weight, there only for DDP's all-reduce) would otherwise update BatchNorm's running
+    statistics and batch count with images that are not training data, or count a batch twice."""
+    if not keep:
+        yield
+        return
+    saved = [(b, b.clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
