@@ -147,7 +147,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
             group.append(_Pass(i, images, targets, weight))
         if last_micro and group:
             # consecutive optimizer steps with a NaN/inf loss (any of their passes)
-            nonfinite_run = (nonfinite_run + 1) * _group_passes(state, group, sums)
+            nonfinite_run = (nonfinite_run + 1) * _group_passes(state, group, sums, epoch)
             nonfinite_worst = torch.maximum(nonfinite_worst, nonfinite_run)
             _optimizer_step(state, first=steps == 0)
             steps, group = steps + 1, []
@@ -209,7 +209,7 @@ class _Pass(NamedTuple):
     weight: float  # 1.0; 0.0 for a stand-in (DDP: the batch was unreadable)
 
 
-def _group_passes(state, group: list, sums: DeviceSums) -> torch.Tensor:
+def _group_passes(state, group: list, sums: DeviceSums, epoch: int) -> torch.Tensor:
     """The forward and backward passes of one optimizer step's batches (``_Pass``); under DDP
     the gradients are all-reduced with the last. Each loss is weighted by its batch's share of
     the images the group has, so the step follows their mean loss, as one batch of them would:
@@ -220,20 +220,20 @@ def _group_passes(state, group: list, sums: DeviceSums) -> torch.Tensor:
     nonfinite = torch.zeros((), dtype=torch.bool, device=group[0].targets.device)
     for k, p in enumerate(group):
         share = p.weight * p.targets.numel() / present if present else 0.0
-        loss, output = _forward_backward(state, p, share, sync=k == len(group) - 1)
+        loss, output = _forward_backward(state, p, share, sync=k == len(group) - 1, epoch=epoch)
         if p.weight:
             sums.add(loss, output, p.targets)
             nonfinite |= ~torch.isfinite(loss.detach())
     return nonfinite
 
 
-def _forward_backward(state, p: _Pass, share: float, sync: bool) -> tuple:
-    """One batch's forward and backward pass (mixed first, with ``state.mixer``), its loss
-    weighted by ``share``; under DDP the gradients are all-reduced only with ``sync``. Returns
-    (the batch's mean loss, logits)."""
+def _forward_backward(state, p: _Pass, share: float, sync: bool, epoch: int) -> tuple:
+    """One batch's forward and backward pass (mixed first, with ``state.mixer``, whose draws
+    the epoch and the batch's index choose), its loss weighted by ``share``; under DDP the
+    gradients are all-reduced only with ``sync``. Returns (the batch's mean loss, logits)."""
     images, labels, stand_in = p.images, p.targets, not p.weight
     if state.mixer is not None and not stand_in:
-        images, labels = state.mixer(images, p.targets)
+        images, labels = state.mixer(images, p.targets, epoch=epoch, batch=p.index)
     with _grad_sync(state.model, sync), _buffers_kept(state.model, keep=stand_in):
         output = state.precision.forward(state.model, images)
         loss = state.train_criterion(output, labels)
