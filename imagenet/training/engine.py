@@ -105,9 +105,9 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
     gradients add up and, under DDP, are all-reduced once, with the last one (see
     :func:`_group_passes`); a group whose batches are all unreadable takes no optimizer step,
-    but its schedule step still, so the schedule stays a function of the step index, as a
-    resumed run computes it. Reports, checkpoints and stops come between optimizer steps, the
-    reports on the steps whose group holds a multiple of ``opts.print_freq``. ``progress.step`` batches of
+    but the schedule steps still, so it stays a function of the step index, as a resumed run
+    computes it. Reports, checkpoints and stops come between optimizer steps (a report after
+    each group that holds a multiple of ``opts.print_freq``). ``progress.step`` batches of
     the epoch were done before (the loader already skips them) and ``progress.sums`` holds
     their metric sums (over all ranks), so a resumed epoch reports the whole epoch. After each
     optimizer step ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints; ``sums``
