@@ -364,7 +364,7 @@ class Launch:
         else:
             status = exit_status(codes[failed])
             self.failure = (ranks[failed], status)
-            where = "output: " + ("this terminal" if failed == 0 else log_path(self.args.log_dir, ranks[failed]))
+            where = "output: " + self._output(failed, ranks[failed])
             how = f", killed by {signal.Signals(-codes[failed]).name}" if codes[failed] < 0 else ""
             _say(f"rank {ranks[failed]} exited with status {status} ({where}{how})")
             sig = signal.SIGTERM
@@ -385,10 +385,23 @@ class Launch:
                 return
             if kill_at is not None and (time.monotonic() >= kill_at or len(self.received) > seen):
                 # Grace period over, or the user signalled again (a second Ctrl-C): stop waiting.
-                _say("sending SIGKILL to the processes still running")
+                running = [(rank, self._output(i, rank)) for i, (rank, code) in enumerate(zip(ranks, codes))
+                           if code is None]
+                who = ", ".join(f"rank {rank} (output: {where})" for rank, where in running)
+                if len(self.received) > seen:
+                    _say(f"sending SIGKILL to {who}")
+                else:
+                    # A rank that outlives the grace period is stuck (in a collective, or stopped):
+                    # most likely the one the others timed out waiting for, so name it.
+                    _say(f"{who} stalled: still running {self.args.grace_period:g} s after "
+                         f"{signal.Signals(sig).name}; sending SIGKILL")
                 signal_all(procs, signal.SIGKILL)
                 kill_at = None
             time.sleep(POLL_S)
+
+    def _output(self, index, rank):
+        """Where the child at ``index`` (global rank ``rank``) writes."""
+        return "this terminal" if index == 0 else log_path(self.args.log_dir, rank)
 
     def after_failure(self, restarts_left, max_restarts):
         """Say what happens after a failed attempt; returns the restarts still allowed."""

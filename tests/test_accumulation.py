@@ -132,7 +132,7 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
                    LoopOptions(print_freq=1, accum_steps=4, input_shape=(3, 8, 8), max_nonfinite_steps=3))
     assert out.steps == 2
     from imagenet.base.errors import UserError
-    with pytest.raises(UserError, match="NaN/inf for 4 steps"):
+    with pytest.raises(UserError, match="NaN/inf for 3 steps"):
         epoch_of(net(), loader, opt, sched, Precision(), CPU,
                  LoopOptions(print_freq=1, accum_steps=1, input_shape=(3, 8, 8), max_nonfinite_steps=3))
 
@@ -152,3 +152,69 @@ def test_accumulation_without_cuda_graphs_and_cuda_graphs_without_accumulation_a
     from imagenet.base.config import Config, validate
     validate(Config(arch="resnet18", accum_steps=2, compile="default"))
     validate(Config(arch="resnet18", accum_steps=1, compile="reduce-overhead"))
+
+
+# ------------------------------------------------------------------ unreadable images inside a group
+
+EMPTY = (torch.empty(0), torch.empty(0, dtype=torch.long), ["unreadable.JPEG"])
+
+
+def run_on(loader, accum):
+    model = net()
+    opt = build_optimizer([{"params": list(model.parameters())}], 0.1, 0.9, 1e-4, "foreach", torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    out = epoch_of(model, loader, opt, sched, Precision(), CPU,
+                   LoopOptions(print_freq=100, accum_steps=accum, input_shape=(3, 8, 8)))
+    return model, sched, out
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_group_of_unreadable_batches_still_advances_the_schedule(accum):
+    """No images, no optimizer step; but the schedule is a function of the step index (a resumed
+    run computes it so), or every later step of the run would take the learning rate of the one before."""
+    images, targets = data()
+    loader = [(images[i:i + 4], targets[i:i + 4], []) for i in range(0, 32, 4)]
+    loader[2:4] = [EMPTY, EMPTY]  # with --accum-steps 2: the second group
+    _, sched, out = run_on(loader, accum)
+    groups = len(loader) // accum
+    assert sched.last_epoch == groups
+    assert out.steps == groups - (2 if accum == 1 else 1)
+
+
+def test_a_partly_unreadable_group_weighs_the_images_it_has():
+    """A group's step follows the mean loss over the images the group has, as one batch of them
+    would: a micro-batch missing images, or missing altogether, does not shrink the step."""
+    images, targets = data(24)
+    parts = [(images[i:i + 4], targets[i:i + 4], []) for i in range(0, 24, 4)]
+    short = (images[20:22], targets[20:22], ["a.JPEG", "b.JPEG"])  # 2 of its 4 images unreadable
+    accumulated = [parts[0], parts[1], EMPTY, parts[3], parts[4], short]
+    whole = [(images[:8], targets[:8], []), (images[12:16], targets[12:16], []),
+             (torch.cat([images[16:20], images[20:22]]), torch.cat([targets[16:20], targets[20:22]]), [])]
+    a, _, out = run_on(accumulated, accum=2)
+    b, _, _ = run_on(whole, accum=1)
+    assert out.samples == 18
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_keeps_the_schedule_when_a_whole_group_is_unreadable(digits, tmp_path):
+    """The real folder, loader and runner: the first optimizer step's 8 images (2 passes of 4)
+    are unreadable files, so the epoch takes 9 optimizer steps, and its schedule ten."""
+    import shutil
+    from pathlib import Path
+
+    from imagenet.data.folder import SafeImageFolder
+    from imagenet.data.samplers import SeededSampler
+    root = tmp_path / "data"
+    shutil.copytree(digits, root)
+    train = SafeImageFolder(str(root / "train"))
+    first = [idx for idx, _seed in SeededSampler(train, 1, 0, seed=0)][:8]  # --seed 0, epoch 0
+    for idx in first:
+        Path(train.samples[idx][0]).write_bytes(b"")
+    out = tmp_path / "out"
+    assert main(args(root, out, "-j", "0", "--accum-steps", "2", "--epochs", "1", "--max-bad-fraction", "0.1",
+                     "--lr-schedule", "cosine")) == 0
+    row = json.loads(open(out / "metrics.jsonl").readline())
+    assert row["skipped_images"] == 8 and row["train_samples"] == 72 and row["steps"] == 9
+    assert weights(out)["scheduler"]["last_epoch"] == 10
+    assert row["lr_end"] == pytest.approx(0.0, abs=1e-12)  # cosine to zero at the end of the run

@@ -617,3 +617,22 @@ def test_every_rank_validates_the_model_the_checkpoint_holds(dataset, tmp_path):
     assert (got["val_acc1"], got["val_acc5"]) == pytest.approx((rec["val_acc1"], rec["val_acc5"]))
     # the same sums in another order (two shards, one process): fp32 rounding only
     assert got["val_loss"] == pytest.approx(rec["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("message, is_timeout", [
+    ("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for send operation to complete", True),
+    ("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete", True),
+    ("[gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure", True),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)", True),
+    ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41213", False),
+    ("DataLoader worker (pid 123) exited unexpectedly", False),
+])
+def test_a_collective_timeout_is_told_in_one_line(message, is_timeout):
+    """The backends' ways of saying a peer never answered (seen in tests/test_multiproc.py's
+    stalled rank), told as the run's --dist-timeout; any other error keeps its traceback."""
+    from imagenet.parallel.distributed import collective_timeout
+    line = collective_timeout(RuntimeError(message), 30)
+    if is_timeout:
+        assert line.startswith("a collective operation timed out after 30 s waiting for a peer (--dist-timeout 30)")
+    else:
+        assert line is None

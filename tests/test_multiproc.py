@@ -174,7 +174,7 @@ def test_child_ignoring_sigterm_is_killed_after_grace_period(tmp_path):
     elapsed = time.monotonic() - began
     assert launcher.returncode == 4, err
     assert 1 <= elapsed < 6
-    assert "SIGKILL" in err
+    assert "rank 1 (output: " in err and "stalled: still running 1 s after SIGTERM; sending SIGKILL" in err, err
     assert_dead(int((tmp_path / "pid1").read_text()))
 
 
@@ -386,3 +386,53 @@ def test_launcher_env_keeps_a_user_nvls_setting_and_sets_omp_threads_as_torchrun
     assert multiproc.launcher_env({"NCCL_NVLS_ENABLE": "1"}, 4) == {"OMP_NUM_THREADS": "1"}
     assert multiproc.launcher_env({"OMP_NUM_THREADS": "3"}, 4) == {"NCCL_NVLS_ENABLE": "0"}
     assert multiproc.launcher_env({}, 1) == {"NCCL_NVLS_ENABLE": "0"}  # one process: all its threads
+
+
+def rank_pid(launcher_pid, rank):
+    """The pid of the launcher's child that runs global rank ``rank`` (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+def test_a_stalled_rank_is_named_and_the_timeout_is_one_line(tmp_path):
+    """Rank 1 stopped (SIGSTOP) in the middle of an epoch: rank 0's next collective times out
+    after --dist-timeout and says so in one line, not gloo's traceback; the launcher has to
+    SIGKILL rank 1 and says which rank that was."""
+    from tests.helpers import make_digits
+    make_digits(tmp_path / "data", train_per_class=4, val_per_class=1)  # 5 steps of 2 x 4 images
+    cmd = launcher_cmd("--nproc-per-node", 2, "--grace-period", 1, "--log-dir", tmp_path, "main.py",
+                       tmp_path / "data", "-a", "resnet18", "-b", 8, "-j", 0, "--image-size", 16, "--val-resize", 16,
+                       "-p", 1, "--epochs", 1, "--dist-backend", "gloo", "--dist-timeout", 5,
+                       "--output-dir", tmp_path / "out")
+    env = dict(child_env(tmp_path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        for line in launcher.stdout:
+            if line.startswith("Epoch: [0]["):  # rank 0 is past its first step
+                stopped = rank_pid(launcher.pid, 1)
+                os.kill(stopped, signal.SIGSTOP)
+                break
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        if stopped is not None and launcher.returncode is None:
+            os.kill(stopped, signal.SIGKILL)
+    assert stopped is not None, err
+    assert launcher.returncode == 1, err
+    assert "Traceback" not in err, err
+    timeouts = [ln for ln in err.splitlines() if "timed out" in ln]
+    assert timeouts == ["error: a collective operation timed out after 5 s waiting for a peer (--dist-timeout 5); "
+                        "another rank has stalled or died (python -m multiproc names it)"], err
+    assert f"rank 1 (output: {tmp_path}/GPU_1.log) stalled: still running 1 s after SIGTERM; sending SIGKILL" in err
+    assert_dead(stopped)

@@ -64,3 +64,23 @@ def test_resume_with_the_same_flags_names_no_change(digits, first_epoch, tmp_pat
     out = resumed(first_epoch, tmp_path)
     assert main(argv(digits, out, "--epochs", "1", "--lr", "0.1", "--resume", "auto")) == 0  # nothing left to train
     assert "=> resume:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", [["--fp16"], ["--amp"]])
+def test_resume_keeps_the_loss_scale_but_takes_the_scale_window_of_its_command_line(mode):
+    """The scale itself continues; how many clean steps double it is this run's --scale-window,
+    in both modes that scale dynamically (--amp's GradScaler once kept the checkpoint's)."""
+    from imagenet.base.config import parse_config
+    from imagenet.precision import build_precision
+
+    def window(precision):
+        scaler = precision.scaler
+        return scaler.get_growth_interval() if hasattr(scaler, "get_growth_interval") else scaler.window
+
+    cpu = torch.device("cpu")
+    saved = build_precision(parse_config([*mode, "--scale-window", "1000", "--initial-loss-scale", "1024"]), cpu)
+    state = saved.state_dict()
+    resumed = build_precision(parse_config([*mode, "--scale-window", "7"]), cpu)
+    resumed.load_state_dict(state)
+    assert window(resumed) == 7
+    assert resumed.loss_scale == 1024.0

@@ -361,6 +361,23 @@ def wrap(model: nn.Module, ctx: DistContext, **ddp_options) -> nn.Module:
     return model
 
 
+# How a collective that waited --dist-timeout for a peer fails: gloo raises "Timed out waiting
+# 30000ms for send operation to complete" (or recv), or, where the timeout had closed the
+# connection first, "Application timeout caused pair closure"; NCCL's watchdog reports
+# "Watchdog caught collective operation timeout".
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|Application timeout caused pair "
+                                 r"closure|collective operation timeout")
+
+
+def collective_timeout(error: BaseException, timeout_s: int) -> Optional[str]:
+    """One line saying what ``error`` means if it is a collective that timed out waiting for a
+    peer (the backend's traceback says no more than that, and nothing about the peer), else None."""
+    if not isinstance(error, RuntimeError) or not _COLLECTIVE_TIMEOUT.search(str(error)):
+        return None
+    return (f"a collective operation timed out after {timeout_s} s waiting for a peer (--dist-timeout {timeout_s}); "
+            "another rank has stalled or died (python -m multiproc names it)")
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum a tensor over ranks (in place); no-op outside DDP."""
     if ctx.distributed:

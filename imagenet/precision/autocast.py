@@ -22,6 +22,7 @@ class AutocastPrecision(Precision):
         self.dtype = dtype
         self.device_type = device_type
         self.name = "amp-bf16" if dtype == torch.bfloat16 else "amp-fp16"
+        self.window = window
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, growth_interval=window,
                                            enabled=dtype == torch.float16)
         self._skipped = 0
@@ -94,6 +95,9 @@ class AutocastPrecision(Precision):
             return  # saved in another mode: this mode's scaler starts fresh
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
+            # GradScaler's state holds its growth interval; this run's --scale-window wins, as
+            # with --fp16's LossScaler: the scale resumes, the settings are the command line's.
+            self.scaler.set_growth_interval(self.window)
         self._skipped = int(state.get("skipped_steps", 0))
         if self._skipped_dev is not None:
             self._skipped_dev.zero_()

@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -103,8 +103,11 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     :class:`imagenet.training.state.Progress`) says; returns the reduced metrics.
 
     Every ``opts.accum_steps`` loader batches (micro-batches) make one optimizer step: their
-    gradients add up (each loss divided by the count, so the step sees the mean over all of
-    them) and, under DDP, are all-reduced once, with the last one. ``progress.step`` batches of
+    gradients add up and, under DDP, are all-reduced once, with the last one (see
+    :func:`_group_passes`); a group whose batches are all unreadable takes no optimizer step,
+    but the schedule steps still, so it stays a function of the step index, as a resumed run
+    computes it. Reports, checkpoints and stops come between optimizer steps (a report after
+    each group that holds a multiple of ``opts.print_freq``). ``progress.step`` batches of
     the epoch were done before (the loader already skips them) and ``progress.sums`` holds
     their metric sums (over all ranks), so a resumed epoch reports the whole epoch. After each
     optimizer step ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints; ``sums``
@@ -118,13 +121,14 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     if progress.sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
         sums.seed(progress.sums)
     nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
-    group_nonfinite = torch.zeros((), dtype=torch.bool, device=ctx.device)
+    # the longest run so far: checked at print time only, when the run may have ended already
+    nonfinite_worst = torch.zeros((), dtype=torch.long, device=ctx.device)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
     total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
     n = total if opts.max_steps is None else min(total, opts.max_steps)
     bar = _progress(loader, opts.progress == "bar" and ctx.is_main, f"Epoch {epoch}")
-    steps, skipped_before, last_good, group_has_data = 0, precision.skipped_steps, None, False
+    steps, skipped_before, last_good, group = 0, precision.skipped_steps, None, []
     completed, done = True, start_step
     rate = SteadyRate(ctx.device, warm_steps=min(WARM_STEPS, (n - start_step) // accum // 5))
     start = end = time.perf_counter()
@@ -140,33 +144,30 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         rate.add(targets.numel(), waited)
         images, targets, weight, last_good = _trainable(images, targets, bad, last_good, ctx, opts)
         if images is not None:
-            group_has_data = True
-            loss, output = _forward_backward(state, images, targets, weight, accum, sync=last_micro)
-            if weight:
-                sums.add(loss, output, targets)
-            group_nonfinite |= ~torch.isfinite(loss.detach())
-        if last_micro and group_has_data:
-            group_has_data = False
+            group.append(_Pass(i, images, targets, weight))
+        if last_micro and group:
             # consecutive optimizer steps with a NaN/inf loss (any of their passes)
-            nonfinite_run = (nonfinite_run + 1) * group_nonfinite
-            group_nonfinite.zero_()
+            nonfinite_run = (nonfinite_run + 1) * _group_passes(state, group, sums, epoch)
+            nonfinite_worst = torch.maximum(nonfinite_worst, nonfinite_run)
             _optimizer_step(state, first=steps == 0)
-            steps += 1
+            steps, group = steps + 1, []
             rate.stepped(steps)
+        elif last_micro:  # nothing readable in the group (outside DDP): no optimizer step, but the schedule's
+            _schedule(state.scheduler, first=steps == 0)
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
         rate.asking()
         if bar is not None:
             bar.update(1)
-        if i % opts.print_freq == 0 or i == n - 1:
-            _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+        if not last_micro:
+            continue  # a group's batches are trained on together, after its last one
+        if i // opts.print_freq != (i - accum) // opts.print_freq or i == n - 1:
+            _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
             avg = sums.totals(ctx, all_reduce_sum)
             if bar is not None:
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
             elif ctx.is_main:
                 logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
-        if not last_micro:
-            continue  # checkpoints and stops only between optimizer steps
         if on_step is not None:
             on_step(i + 1, lambda: sums.raw(ctx, all_reduce_sum))
         if i + 1 < n and stop():
@@ -176,7 +177,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         bar.close()
     steady = rate.finish()
     elapsed = time.perf_counter() - start
-    _check_finite(nonfinite_run, opts.max_nonfinite_steps, precision, ctx)
+    _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
     partial = sums.raw(ctx, all_reduce_sum)
     totals = means(partial)
     return TrainResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
@@ -199,16 +200,44 @@ def _trainable(images, targets, bad: list, last_good: Optional[tuple], ctx: Dist
     return images, targets, 1.0, (images, targets)
 
 
-def _forward_backward(state, images, targets, weight: float, accum: int, sync: bool) -> tuple:
-    """One micro-batch's forward and backward pass (mixed first, with ``state.mixer``); under
-    DDP the gradients are all-reduced only with ``sync``. Returns (weighted loss, logits)."""
-    labels = targets
-    if state.mixer is not None and weight:
-        images, labels = state.mixer(images, targets)
-    with _grad_sync(state.model, sync):
+class _Pass(NamedTuple):
+    """One loader batch of an optimizer step's group, ready to train on."""
+
+    index: int  # of the batch in the epoch
+    images: torch.Tensor
+    targets: torch.Tensor
+    weight: float  # 1.0; 0.0 for a stand-in (DDP: the batch was unreadable)
+
+
+def _group_passes(state, group: list, sums: DeviceSums, epoch: int) -> torch.Tensor:
+    """The forward and backward passes of one optimizer step's batches (``_Pass``); under DDP
+    the gradients are all-reduced with the last. Each loss is weighted by its batch's share of
+    the images the group has, so the step follows their mean loss, as one batch of them would:
+    unreadable files may shorten a batch or leave none. That share is known once the group's
+    last batch is in, which is why the loop holds the group's batches until then (input
+    batches, small beside the activations). Returns a device flag: a loss was NaN/inf."""
+    present = sum(p.targets.numel() for p in group if p.weight)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=group[0].targets.device)
+    for k, p in enumerate(group):
+        share = p.weight * p.targets.numel() / present if present else 0.0
+        loss, output = _forward_backward(state, p, share, sync=k == len(group) - 1, epoch=epoch)
+        if p.weight:
+            sums.add(loss, output, p.targets)
+            nonfinite |= ~torch.isfinite(loss.detach())
+    return nonfinite
+
+
+def _forward_backward(state, p: _Pass, share: float, sync: bool, epoch: int) -> tuple:
+    """One batch's forward and backward pass (mixed first, with ``state.mixer``, whose draws
+    the epoch and the batch's index choose), its loss weighted by ``share``; under DDP the
+    gradients are all-reduced only with ``sync``. Returns (the batch's mean loss, logits)."""
+    images, labels, stand_in = p.images, p.targets, not p.weight
+    if state.mixer is not None and not stand_in:
+        images, labels = state.mixer(images, p.targets, epoch=epoch, batch=p.index)
+    with _grad_sync(state.model, sync), _buffers_kept(state.model, keep=stand_in):
         output = state.precision.forward(state.model, images)
-        loss = state.train_criterion(output, labels) * weight
-        state.precision.backward(loss if accum == 1 else loss / accum)
+        loss = state.train_criterion(output, labels)
+        state.precision.backward(loss * share)
     return loss, output
 
 
@@ -325,6 +354,23 @@ def _schedule(scheduler, first: bool) -> None:
         scheduler.step()
 
 
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module, keep: bool):
+    """With ``keep``, the model's buffers as they were before: a stand-in batch's forward pass
+    (zero weight, there only for DDP's all-reduce) would otherwise update BatchNorm's running
+    statistics and batch count with images that are not training data, or count a batch twice."""
+    if not keep:
+        yield
+        return
+    saved = [(b, b.clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
     # Two images, so BatchNorm in training mode has more than one value per channel.
     return torch.zeros((2, *shape), device=device), torch.zeros(2, dtype=torch.long, device=device)
@@ -333,8 +379,8 @@ def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
 def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) -> None:
     # The worst rank decides, so that every rank stops at the same step instead of one waiting.
     run = all_reduce_max(run.clone(), ctx)
-    if limit and int(run) > limit:
-        raise UserError(f"the loss has been NaN/inf for {int(run)} steps in a row ({precision.name}); "
+    if limit and int(run) >= limit:
+        raise UserError(f"the loss was NaN/inf for {int(run)} steps in a row ({precision.name}); "
                         "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
                         "or raise --max-nonfinite-steps (0 disables this check)")
 

@@ -18,7 +18,7 @@ logger = logging.getLogger("imagenet")
 
 # Optimisation settings a resumed run takes from its command line, not from the checkpoint.
 RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "lr_step", "lr_gamma", "warmup_epochs",
-                    "batch_size", "accum_steps")
+                    "batch_size", "accum_steps", "scale_window")
 
 
 def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Progress:

@@ -63,10 +63,15 @@ def execute(cfg: Config) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except Exception as e:
         # A bug, not a user error: show it, and return so the interpreter can end the data
-        # workers (an exception escaping main could leave them waiting).
-        traceback.print_exc()
+        # workers (an exception escaping main could leave them waiting). A peer that stalled
+        # is no bug here: one line, and status 1, after which a launcher may restart the group.
+        timed_out = distributed.collective_timeout(e, cfg.dist_timeout)
+        if timed_out is None:
+            traceback.print_exc()
+        else:
+            print(f"error: {timed_out}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -159,7 +159,8 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
     mixer, train_criterion = None, criterion
     if cfg.mixup > 0 or cfg.cutmix > 0:  # soft labels carry the smoothing; the training loss adds none
-        mixer = BatchMixer(num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing)
+        mixer = BatchMixer(num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing,
+                           seed=cfg.seed if cfg.seed is not None else 0, rank=ctx.rank)
         train_criterion = nn.CrossEntropyLoss().to(ctx.device)
     return TrainState(model, optimizer, scheduler, precision, criterion, train_criterion, ema, mixer)
 
