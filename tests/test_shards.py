@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import shutil
 import tarfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.data import shardwriter
-from imagenet.data.decode import TrainDecoder
+from imagenet.data.decode import TrainDecoder, path_identity
 from imagenet.data.folder import SafeImageFolder
 from imagenet.data.gpudecode import CpuDecoded, JpegJob, TrainJpegReader
 from imagenet.data.loaders import build_datasets, build_loaders
@@ -298,6 +299,27 @@ def test_a_sample_gives_its_files_crops_in_every_pipeline(digits, shards):
                 image, label, bad = a[key_a]
                 assert bad is None and label == b[key_b][1]
                 assert torch.equal(image, b[key_b][0]), (pipeline, split, row)
+
+
+def test_worker_processes_resume_a_shard_epoch_bit_exactly(shards):
+    """Workers map the table and open the shards themselves; how many there are changes nothing."""
+    from torch.utils.data import DataLoader
+    from imagenet.data.loaders import collate_skipping
+    data = ShardDataset(read_index(str(shards)).splits["train"], TrainDecoder(12, 0.25, 0.5), path_identity)
+    copy = pickle.loads(pickle.dumps(data))  # what a spawned worker gets: no table, no descriptors
+    assert copy._table is None and not copy._fds and torch.equal(copy[(3, 7)][0], data[(3, 7)][0])
+
+    def batches(start, workers):
+        sampler = ShardWindowSampler(data.table["shard"], data.table["id"], 2, 1, seed=3, window=10)
+        sampler.set_epoch(5)
+        sampler.set_start(start)
+        loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=workers, collate_fn=collate_skipping,
+                            drop_last=True)
+        return [(x, y) for x, y, _ in loader]
+    whole, resumed = batches(0, 2), batches(8, 1)
+    assert len(whole) == 5 and len(resumed) == 3
+    for (xa, ya), (xb, yb) in zip(whole[2:], resumed):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 def test_the_gpu_decoders_worker_side_takes_a_sample_as_it_takes_a_file(tmp_path):
