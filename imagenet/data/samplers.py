@@ -93,7 +93,8 @@ class ShardWindowSampler(_SeededKeys):
         self.by_id = np.argsort(self.ids, kind="stable")
 
     def epoch_order(self) -> np.ndarray:
-        """Every row once, in this epoch's global order (70 ms for ImageNet's 1.28 M rows)."""
+        """Every row once, in this epoch's global order (40 ms for ImageNet's 1.28 M rows in 141 shards,
+        140 ms as one full shuffle, on one core of the 2-core machine)."""
         n_shards = len(self.rows_of)
         if self.group >= n_shards:  # DistributedSampler's permutation: the folder run's order
             g = torch.Generator().manual_seed(self.seed + self.epoch)
