@@ -227,6 +227,7 @@ def _start(out: str, plan: dict, overwrite: bool) -> Optional[dict]:
             except ValueError:
                 done = {}
         if done.get("made_by") == plan and not overwrite:
+            shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)  # left if the last run stopped right here
             return done
         if not overwrite:
             raise UserError(f"{out} already holds a finished conversion of other images or other settings "
