@@ -1,8 +1,9 @@
 """``--decode gpu``: workers read JPEG bytes and draw the crop; the GPU decodes, crops and resizes.
 
-Workers do what needs no pixels: read the file, read the header size, draw the RandomResizedCrop
-box and the flip from the per-sample seeded RNG exactly as the CPU path does (so ``--seed``
-gives the same crops either way), and ship the compressed bytes (a tenth of the decoded size).
+Workers do what needs no pixels: read the file (a tar shard's sample comes already read), read
+the header size, draw the RandomResizedCrop box and the flip from the per-sample seeded RNG
+exactly as the CPU path does (so ``--seed`` gives the same crops either way), and ship the
+compressed bytes (a tenth of the decoded size).
 On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
 the batch, and one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear
 interpolation (PIL's filter, so the pixels match the CPU path within rounding) and flips every
