@@ -7,7 +7,7 @@ below it (``tests/test_layering.py`` checks it with import-linter's contract in 
 =========  ====================================================================================
 cli        the command line's entry: flags checked before torch is imported, then training.runner
 training   a run: wiring (runner), the loops (engine), the state and its checkpoints, the run log
-data       datasets (folders, synthetic), decoding on CPU and GPU, samplers, loaders, prefetch,
+data       datasets (folders, tar shards, synthetic), decoding on CPU and GPU, samplers, loaders, prefetch
 parallel   launch modes (DistContext), DDP/DataParallel, reductions, spawn, stop signals
 models     the architecture registry, starting weights, torch.compile
 precision  fp32 / fp16 with master weights / autocast behind one interface; the optimizer

@@ -39,7 +39,8 @@ class Config:
     """All options of a run. Units are given where they are not obvious."""
 
     # -- data -------------------------------------------------------------------------------
-    data: Optional[str] = None  # ImageFolder root with train/ and val/; None: built-in MNIST-5k
+    data: Optional[str] = None  # ImageFolder root with train/ and val/, a tar shard folder (scripts/make_shards.py)
+    #                             or its URL; None: built-in MNIST-5k
     workers: int = 4  # data-loading processes per training process
     image_size: int = 224  # training crop (and validation crop unless --val-crop), pixels
     val_resize: Optional[int] = None  # validation images are resized to this (shorter side), then center-cropped;
@@ -59,7 +60,9 @@ class Config:
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
     dummy_classes: int = 1000
-    cache_dir: Optional[str] = None  # where the built-in dataset is exported
+    shuffle_window: int = 65536  # tar shards: images whose order is shuffled together (whole shards, shuffled);
+    #                              at least the training set: a full shuffle, the order of a folder run
+    cache_dir: Optional[str] = None  # where the built-in dataset is exported and shards behind a URL are copied
     max_bad_fraction: float = 0.01  # stop if more than this fraction of an epoch's images is unreadable
 
     # -- model ------------------------------------------------------------------------------
@@ -228,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Without DIR, trains on the built-in MNIST-5k digits.",
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("data", nargs="?", metavar="DIR", help="dataset root with train/ and val/")
+    p.add_argument("data", nargs="?", metavar="DIR",
+                   help="dataset root with train/ and val/, or a tar shard folder (scripts/make_shards.py) or its URL")
     types = _field_types()
     for f in fields(Config):
         if f.name == "data":
@@ -386,6 +390,7 @@ def _check_numbers(cfg: Config) -> None:
     _need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     _need(cfg.accum_steps >= 1, f"--accum-steps must be at least 1, got {cfg.accum_steps}")
     _need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    _need(cfg.shuffle_window >= 1, f"--shuffle-window is a number of images, at least 1, got {cfg.shuffle_window}")
     _need(cfg.mixup >= 0 and cfg.cutmix >= 0, "--mixup and --cutmix take a Beta parameter >= 0 (0: off)")
     _need(0 <= cfg.random_erase <= 1, f"--random-erase must be a probability in [0, 1], got {cfg.random_erase}")
     for name in ("lr", "momentum", "weight_decay", "label_smoothing", "warmup_epochs", "lr_gamma",

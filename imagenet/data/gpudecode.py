@@ -1,8 +1,9 @@
 """``--decode gpu``: workers read JPEG bytes and draw the crop; the GPU decodes, crops and resizes.
 
-Workers do what needs no pixels: read the file, read the header size, draw the RandomResizedCrop
-box and the flip from the per-sample seeded RNG exactly as the CPU path does (so ``--seed``
-gives the same crops either way), and ship the compressed bytes (a tenth of the decoded size).
+Workers do what needs no pixels: read the file (a tar shard's sample comes already read), read
+the header size, draw the RandomResizedCrop box and the flip from the per-sample seeded RNG
+exactly as the CPU path does (so ``--seed`` gives the same crops either way), and ship the
+compressed bytes (a tenth of the decoded size).
 On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
 the batch, and one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear
 interpolation (PIL's filter, so the pixels match the CPU path within rounding) and flips every
@@ -62,9 +63,16 @@ class JpegBatch:
         return self
 
 
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as fh:
+def _read_bytes(src) -> bytes:
+    """The encoded image of ``src``: a path, or a tar shard's sample already in memory."""
+    if hasattr(src, "getvalue"):
+        return src.getvalue()
+    with open(src, "rb") as fh:
         return fh.read()
+
+
+def _name(src) -> str:
+    return getattr(src, "name", src)  # a shard's sample is named for the report
 
 
 class TrainJpegReader(TrainDecoderReader):
@@ -76,7 +84,7 @@ class TrainJpegReader(TrainDecoderReader):
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
                 return CpuDecoded(self.cpu(path))  # decoded here: counted as a fallback
             box, flip = self.cpu.draw(img)
-        return JpegJob(_read_bytes(path), path, "train", box, self.cpu.size, flip)
+        return JpegJob(_read_bytes(path), _name(path), "train", box, self.cpu.size, flip)
 
 
 class ValJpegReader:
@@ -90,7 +98,7 @@ class ValJpegReader:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
                 return CpuDecoded(self.cpu(path))
             new_w, new_h, top, left = self.cpu.geometry(*img.size)
-        return JpegJob(_read_bytes(path), path, "val", (top, left, new_h, new_w), self.cpu.size)
+        return JpegJob(_read_bytes(path), _name(path), "val", (top, left, new_h, new_w), self.cpu.size)
 
 
 def _resized(img: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The datasets of a run and their loaders: collation (with the skipped files), worker signals,
+"""The datasets of a run and their loaders: which input format a path holds (an image folder or
+tar shards, local or behind a URL), collation (with the skipped files), worker signals,
 per-process batch sizes, and the device loaders that hand the training loop ready batches."""
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
-from .samplers import SeededSampler, ShardSampler
+from .prepare import default_cache_dir
+from .remote import is_url, local_copy
+from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
+from .shardindex import ShardIndex
+from .shards import ShardDataset, find_shards, open_rgb
 from .synthetic import SyntheticDataset, SyntheticLoader
 from .transforms import (IMAGENET_MEAN, IMAGENET_STD, ValGeometry, augment_policy, resize_on_device, train_transform,
                          val_geometry, val_transform)
@@ -67,6 +72,7 @@ class DataBundle:
     classes: list
     root: str  # where the images are ("synthetic" for --dummy)
     pipeline: str = ""  # how training images are made, for the banner
+    layout: str = ""  # the input format when not an image folder, for the banner
 
 
 def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
@@ -80,7 +86,8 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         return DataBundle(SyntheticDataset(cfg.dummy_train_size, n, cfg.image_size, seed=1),
                           SyntheticDataset(cfg.dummy_val_size, n, val_geo.crop, seed=2),
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
-    classes = check_layout(root)
+    shards = _shard_index(cfg, root)
+    classes = shards.classes if shards is not None else check_layout(root)
     if cfg.data_pipeline == "fast":
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
@@ -99,9 +106,24 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         train_tf = train_transform(cfg.image_size, cfg.min_crop_scale, cfg.hflip, cfg.auto_augment, cfg.random_erase)
         val_tf, loader = val_transform(val_geo.crop, val_geo.resize), default_loader
         pipeline = "classic: torchvision's transforms in the workers"
+    if shards is not None:
+        # the fast decoders open the sample's bytes as they open a path
+        loader = path_identity if loader is path_identity else open_rgb
+        train = ShardDataset(shards.splits["train"], train_tf, loader)
+        val = ShardDataset(shards.splits["val"], val_tf, loader)
+        layout = f"tar shards ({len(train)} train / {len(val)} val in {shards.shard_count} shards)"
+        return DataBundle(train, val, classes, root, pipeline, layout)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
     return DataBundle(train, val, classes, root, pipeline)
+
+
+def _shard_index(cfg, root: str) -> Optional[ShardIndex]:
+    """The index when ``root`` is a shard folder (a URL's copied into the cache first); None for
+    an image folder."""
+    if is_url(root):
+        root = local_copy(root, cfg.cache_dir or default_cache_dir())
+    return find_shards(root)
 
 
 WORKER_TERM_GRACE = 90  # seconds a worker lives on after SIGTERM; the trainer's stop takes < 60
@@ -168,14 +190,19 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
         return (SyntheticLoader(data.train, samples=n_train // world, drop_last=True, **per_rank),
                 SyntheticLoader(data.val, samples=len(range(rank, len(data.val), world)), drop_last=False,
                                 **per_rank))
-    train_sampler = SeededSampler(data.train, world, rank, seed)
+    if isinstance(data.train, ShardDataset):
+        table = data.train.table
+        train_sampler = ShardWindowSampler(table["shard"], table["id"], world, rank, seed, cfg.shuffle_window)
+        val_sampler = BlockSampler(len(data.val), rank, world)  # a rank reads ~1/world of the val shards
+    else:
+        train_sampler = SeededSampler(data.train, world, rank, seed)
+        val_sampler = ShardSampler(len(data.val), rank, world)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_for(ctx.device), persistent_workers=cfg.workers > 0,
                   worker_init_fn=worker_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
     # full-sized and the same on every rank.
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
-    val_sampler = ShardSampler(len(data.val), rank, world)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
                               background=cfg.decode == "gpu")

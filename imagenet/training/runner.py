@@ -126,9 +126,10 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
     logger.info("=> mode: %s", ctx.describe())
     if ctx.mode == "dp":
         logger.info("=> hint: python -m multiproc main.py ... runs one process per GPU (DDP) and is faster")
-    logger.info("=> data: %s (%d train / %d val images, %d classes); train crop %d px, val %d px of %d%s",
-                source, len(data.train), len(data.val), len(data.classes), cfg.image_size, val.crop, val.resize,
-                f" ({val.source}; --val-resize overrides)" if val.source else "")
+    what = (f"{data.layout}, {len(data.classes)} classes" if data.layout else
+            f"{len(data.train)} train / {len(data.val)} val images, {len(data.classes)} classes")
+    logger.info("=> data: %s (%s); train crop %d px, val %d px of %d%s", source, what, cfg.image_size, val.crop,
+                val.resize, f" ({val.source}; --val-resize overrides)" if val.source else "")
     logger.info("=> input: %s%s", data.pipeline,
                 "" if cfg.dummy else f"; {cfg.workers} worker{'' if cfg.workers == 1 else 's'}")
     logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",

@@ -12,6 +12,7 @@
     python scripts/perf/gpu_verify.py scaling    # 1/2/4/8 GPUs (as many as visible): DDP vs DP, GPU decode, parity
     python scripts/perf/gpu_verify.py shrink     # Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline
     python scripts/perf/gpu_verify.py defaults --old DIR  # issue 27: the plain commands, old tree and this one; cold/warm start
+    python scripts/perf/gpu_verify.py shards     # tar shards vs the folder they came from: img/s; --shards-parts accuracy: Acc@1
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -702,6 +703,123 @@ def phase_shrink(args) -> None:
                   f"{max(accs) - min(accs):.2f} |")
 
 
+IMAGENET_TRAIN = 1_281_167
+SHARD_WINDOW = 65_536  # main.py's default --shuffle-window: ImageNet's order mixes 1/20 of the set at a time
+
+
+def ensure_shards(args, src: str, out: str, shard_size: str) -> str:
+    """``src`` converted by scripts/make_shards.py into ``out`` (reused when already finished)."""
+    if os.path.exists(os.path.join(out, "index.json")):
+        return out
+    cmd = f"{PY} scripts/make_shards.py {src} {out} --shard-size {shard_size} --workers {os.cpu_count()} -q"
+    print("$", cmd, flush=True)
+    t0 = time.time()
+    log = os.path.join(args.out, f"make_shards-{os.path.basename(out)}.log")
+    if sh(cmd, log).returncode:
+        fail(f"converting {src} into shards failed:\n" + tail(log, 20))
+    print(f"  converted in {time.time() - t0:.0f} s: {tail(log, 1).strip()}", flush=True)
+    return out
+
+
+def scaled_window(train_images: int, args) -> int:
+    """--shards-window, or the default window scaled to the set: the share of it ImageNet's default mixes."""
+    return args.shards_window or max(1, round(train_images * SHARD_WINDOW / IMAGENET_TRAIN))
+
+
+def _train_images(shards: str) -> int:
+    return json.load(open(os.path.join(shards, "index.json")))["splits"]["train"]["samples"]
+
+
+def phase_shards(args) -> None:
+    """Tar shards (scripts/make_shards.py) against the image folder they were made from, --shards-parts:
+    speed: ResNet-50 --fp16 --channels-last end to end from the 30,000-image benchmark folder and
+    from its shards, CPU decode and --decode gpu, --shards-workers workers, each mode's synthetic
+    step (main.py --dummy) for reference, one run at a time; accuracy: Fashion-MNIST as shards vs
+    the same folder, the fp16 recipe, --shards-seeds. The shard runs use a window scaled to the set
+    as main.py's default is to ImageNet's (--shards-window)."""
+    parts = args.shards_parts.split(",")
+    if set(parts) - {"speed", "accuracy"}:
+        fail(f"--shards-parts: {args.shards_parts!r}; choose from speed,accuracy")
+    modes = args.shards_modes.split(",")
+    if set(modes) - {"eager", "cuda-graphs"}:
+        fail(f"--shards-modes: {args.shards_modes!r}; choose from eager,cuda-graphs")
+    if "speed" in parts:
+        _shards_speed(args, modes)
+    if "accuracy" in parts:
+        _shards_accuracy(args)
+
+
+def _shards_speed(args, modes: list) -> None:
+    ensure_jpeg(args)
+    shards = ensure_shards(args, JPEG_DIR, JPEG_DIR + "-shards", args.shards_size)
+    window = scaled_window(_train_images(shards), args)
+    g0 = {"CUDA_VISIBLE_DEVICES": "0"}
+    model = "-a resnet50 -b 256 --fp16 --channels-last"
+    runs = []  # (name, mode, cmd)
+    for mode in modes:
+        compiled = " --compile reduce-overhead" if mode == "cuda-graphs" else ""
+        runs.append((f"synthetic-main-{mode}", mode, f"timeout {args.e2e_timeout} {PY} main.py --dummy {model} "
+                     f"--epochs 3 --dummy-train-size {256 * 60} --dummy-val-size 2560 -p 100 --output-dir OUT{compiled}"))
+        for decode in ("cpu", "gpu"):
+            for source, data, extra in (("folder", JPEG_DIR, ""), ("shards", shards, f" --shuffle-window {window}")):
+                runs.append((f"{source}-{decode}-decode-{mode}", mode,
+                             f"timeout {args.e2e_timeout} {PY} main.py {data} {model} -j {args.shards_workers} "
+                             f"--epochs {args.e2e_epochs} -p 50 --decode {decode} --output-dir OUT{compiled}{extra}"))
+    rows, results = {}, []
+    for name, mode, cmd in runs:
+        res = run_group([{"name": name, "cmd": cmd, "env": g0}], args)[0]
+        results.append(res)
+        print(tail(os.path.join(args.out, name, "log.txt"), 3), flush=True)
+        rows[name] = (mode, _epoch_rates(os.path.join(args.out, name), 1), res)
+    print(f"\nshards: {shards} (window {window} images); median epoch after the first")
+    print("| row | img/s (median) | spread | data wait | vs synthetic step, same mode | shards vs folder | wall s |\n"
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for name, (mode, rates, res) in rows.items():
+        if rates is None:
+            print(f"| {name} | FAILED (exit {res['rc']}) | | | | | {res['seconds']:.0f} |")
+            continue
+        med, lo, hi, wait = rates
+        synthetic = rows.get(f"synthetic-main-{mode}", (None, None))[1]
+        folder = rows.get(name.replace("shards-", "folder-"), (None, None))[1] if name.startswith("shards-") else None
+        vs_syn = f"{100 * med / synthetic[0]:.1f}%" if synthetic and not name.startswith("synthetic") else ""
+        vs_folder = f"{100 * med / folder[0]:.1f}%" if folder else ""
+        print(f"| {name} | {med:.0f} | {lo:.0f}..{hi:.0f} | {wait:.3f} | {vs_syn} | {vs_folder} | {res['seconds']:.0f} |")
+    print_commands(results)
+
+
+def _folder_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) + 1536 for d, _, files in os.walk(root) for f in files)
+
+
+def _shards_accuracy(args) -> None:
+    """Fashion-MNIST: the fp16 recipe from the folder and from its shards, three seeds (all at once,
+    alternating over the GPUs); shards as many as ImageNet's 1 GB ones are to its set (about 140)."""
+    data = ensure_fashion(args)
+    size = max(_folder_bytes(os.path.join(data, "train")) // 140, 1 << 16)
+    shards = ensure_shards(args, data, args.data.rstrip("/") + "-shards", str(size))
+    window = scaled_window(_train_images(shards), args)
+    seeds = [int(x) for x in args.shards_seeds.split(",")]
+    gpus = max(visible_gpus(), 1)
+    runs = []
+    for k, (seed, source) in enumerate((s, src) for s in seeds for src in ("folder", "shards")):
+        root, extra = (data, "") if source == "folder" else (shards, f" --shuffle-window {window}")
+        runs.append({"name": f"acc-{source}-s{seed}", "cmd": f"{PY} {recipe(args, root)} --fp16 --seed {seed}{extra}",
+                     "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}})
+    results = run_group(runs, args)
+    table(results, f"acc-folder-s{seeds[0]}")
+    means = {}
+    for source in ("folder", "shards"):
+        accs = [r["acc1"] for r in results if r["name"].startswith(f"acc-{source}-") and r["acc1"] is not None]
+        if accs:
+            means[source] = sum(accs) / len(accs)
+            print(f"{source}: final Acc@1 mean {means[source]:.2f} over {len(accs)} seed(s), min {min(accs):.2f}, "
+                  f"max {max(accs):.2f}")
+    if len(means) == 2:
+        diff = means["shards"] - means["folder"]
+        print(f"shards - folder: {diff:+.2f} points ({'within' if abs(diff) <= 0.2 else 'NOT within'} 0.2); "
+              f"{_train_images(shards)} training images in {size / 1e6:.1f} MB shards, window {window}")
+
+
 def visible_gpus() -> int:
     out = subprocess.run([PY, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
                          text=True)
@@ -852,7 +970,7 @@ def phase_defaults(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling",
-                                     "shrink", "defaults"))
+                                     "shrink", "defaults", "shards"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -912,11 +1030,21 @@ def main() -> int:
     p.add_argument("--defaults-steps", type=int, default=30, help="defaults: steps of each epoch")
     p.add_argument("--skip-cold", action="store_true", help="defaults: leave out the cold and warm start runs")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
+    p.add_argument("--shards-parts", default="speed",
+                   help="shards: comma list of speed (benchmark folder vs its shards, img/s), accuracy "
+                        "(Fashion-MNIST folder vs its shards, Acc@1 over --shards-seeds)")
+    p.add_argument("--shards-modes", default="eager", help="shards: step modes of the speed rows, eager,cuda-graphs")
+    p.add_argument("--shards-workers", type=int, default=15, help="shards: loader workers of the speed rows")
+    p.add_argument("--shards-size", default="64MB",
+                   help="shards: --shard-size of the benchmark folder's shards (64MB: about 50 shards)")
+    p.add_argument("--shards-window", type=int, default=0,
+                   help="shards: --shuffle-window of the shard runs (0: main.py's default scaled from ImageNet to the set)")
+    p.add_argument("--shards-seeds", default="0,1,2", help="shards: seeds of the accuracy comparison")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
      "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink,
-     "defaults": phase_defaults}[args.phase](args)
+     "defaults": phase_defaults, "shards": phase_shards}[args.phase](args)
     return 0
 
 

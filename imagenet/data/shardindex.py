@@ -1,0 +1,165 @@
+"""The tar-shard format: what ``scripts/make_shards.py`` writes and the trainer reads, and the
+checks start-up makes on it.
+
+A shard folder holds::
+
+    train-000000.tar ...    WebDataset layout: KEY.jpg (or .png, ...) + KEY.cls (the label, in decimal),
+    val-000000.tar ...      so webdataset, timm, OpenCLIP and DALI read the shards too
+    train-index.npy         one ROW per sample: the shard, byte offset and size of its image's data,
+    val-index.npy           its label and its id (its index in an ImageFolder of the source folder)
+    classes.txt             the class names, one a line: line n is label n
+    index.json              the classes and, per split, its samples and shards (name, bytes, samples)
+
+``index.json`` is written last: a folder without it is an unfinished conversion. With the index,
+start-up lists no files and reads no tar headers, and a worker reads a sample with one pread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..base.errors import UserError
+
+FORMAT = "imagenet-shards"
+VERSION = 1
+INDEX = "index.json"
+CLASSES = "classes.txt"
+SPLITS = ("train", "val")
+ROW = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("label", "<i4"), ("id", "<i8")])
+MAKE_HINT = "python scripts/make_shards.py IMAGE_FOLDER {root}"
+
+
+def shard_name(split: str, number: int) -> str:
+    return f"{split}-{number:06d}.tar"
+
+
+def table_name(split: str) -> str:
+    return f"{split}-index.npy"
+
+
+def has_tars(root: str) -> bool:
+    """Whether ``root`` holds tar files (shards, finished or not, ours or another tool's)."""
+    try:
+        return any(name.endswith((".tar", ".tar.tmp")) for name in os.listdir(root))
+    except OSError:
+        return False
+
+
+@dataclass
+class SplitIndex:
+    """One split of a shard folder: its shards and where its table of samples is."""
+
+    root: str
+    name: str  # train | val
+    shards: list  # {"name", "bytes", "samples"} per shard, in shard-number order
+    samples: int
+
+    @property
+    def table_path(self) -> str:
+        return os.path.join(self.root, table_name(self.name))
+
+    def path(self, shard: int) -> str:
+        return os.path.join(self.root, self.shards[shard]["name"])
+
+    def table(self) -> np.ndarray:
+        """The rows, memory-mapped: every process of a node shares one page-cached copy."""
+        return np.load(self.table_path, mmap_mode="r")
+
+
+@dataclass
+class ShardIndex:
+    """A shard folder's ``index.json``."""
+
+    root: str
+    classes: list
+    splits: dict  # name -> SplitIndex
+    meta: dict  # the whole index.json, for the writer's restart check
+
+    @property
+    def shard_count(self) -> int:
+        return sum(len(s.shards) for s in self.splits.values())
+
+
+def parse_index(text: str, root: str, where: Optional[str] = None) -> ShardIndex:
+    """``index.json``'s text -> :class:`ShardIndex`; UserError when it is not one of ours."""
+    where = where or os.path.join(root, INDEX)
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{where} is not valid JSON ({e}); rerun {MAKE_HINT.format(root=root)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{where} is not an index of {FORMAT} (written by scripts/make_shards.py); "
+                        f"make one with {MAKE_HINT.format(root=root)}")
+    if meta.get("version") != VERSION:
+        raise UserError(f"{where} is version {meta.get('version')} of the shard index; this trainer reads "
+                        f"version {VERSION}: rerun {MAKE_HINT.format(root=root)}")
+    try:
+        splits = {name: SplitIndex(root, name, list(meta["splits"][name]["shards"]),
+                                   int(meta["splits"][name]["samples"])) for name in SPLITS}
+        classes = [str(c) for c in meta["classes"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{where} lacks {e} (an incomplete or hand-edited index); rerun "
+                        f"{MAKE_HINT.format(root=root)}") from None
+    return ShardIndex(root, classes, splits, meta)
+
+
+def read_index(root: str) -> ShardIndex:
+    """The index of the shard folder ``root``, with its tables checked (UserError otherwise)."""
+    path = os.path.join(root, INDEX)
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e})") from None
+    index = parse_index(text, root)
+    for split in index.splits.values():
+        try:
+            table = split.table()
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {split.table_path} ({e}); the shard folder is incomplete: rerun "
+                            f"{MAKE_HINT.format(root=root)}") from None
+        if table.dtype != ROW or len(table) != split.samples:
+            raise UserError(f"{split.table_path} does not match {INDEX} ({len(table)} rows of {table.dtype}, the "
+                            f"index says {split.samples}); rerun {MAKE_HINT.format(root=root)}")
+    return index
+
+
+def check_shards(index: ShardIndex) -> None:
+    """Every shard is there, with the size the index gives and room for every sample it points
+    into: a truncated copy or a shard rewritten since the index stops the run here, with its name,
+    not hours later. Costs one stat a shard and one pass over the tables."""
+    for split in index.splits.values():
+        table = split.table()
+        ends = np.zeros(len(split.shards), dtype=np.int64)
+        if len(table):
+            if int(table["shard"].max()) >= len(split.shards):
+                raise UserError(f"{split.table_path} points into shards the index does not list; rerun "
+                                f"{MAKE_HINT.format(root=index.root)}")
+            np.maximum.at(ends, table["shard"].astype(np.int64),
+                          table["offset"].astype(np.int64) + table["size"].astype(np.int64))
+        for number, shard in enumerate(split.shards):
+            path = split.path(number)
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                raise UserError(f"shard {path} is missing (it holds {shard['samples']} {split.name} images); copy "
+                                f"the whole shard folder, or rerun {MAKE_HINT.format(root=index.root)}") from None
+            if size != shard["bytes"] or size < ends[number]:
+                raise UserError(f"shard {path} has {size} bytes, its index says {shard['bytes']}: the file is "
+                                f"truncated or was rewritten after the index; copy it again, or rerun "
+                                f"{MAKE_HINT.format(root=index.root)}")
+
+
+def member_name(fd: int, offset: int) -> Optional[str]:
+    """The name in the tar header just before the data at ``offset`` (for messages), or None."""
+    try:
+        header = tarfile.TarInfo.frombuf(os.pread(fd, 512, offset - 512), "utf-8", "surrogateescape")
+    except (OSError, tarfile.HeaderError, ValueError):
+        return None
+    return header.name

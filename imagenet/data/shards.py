@@ -1,0 +1,125 @@
+"""Tar-shard datasets (:mod:`imagenet.data.shardindex`): recognising a shard folder, and reading
+its samples as :class:`imagenet.data.folder.SafeImageFolder` reads files.
+
+A sample is one ``os.pread`` at the offset its index row gives: no tar parsing at training
+time, so a damaged tar header costs nothing and every sample is reachable in any order. The
+decoders get the bytes as a file object and do exactly what they do with a file, so a sample
+and the file it was packed from give the same pixels, crops and flips for the same seed.
+An unreadable sample comes back as ``(None, label, "train-000012.tar:KEY")``, skipped and
+counted like an unreadable file.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ..base.errors import UserError
+from .shardindex import INDEX, MAKE_HINT, ShardIndex, SplitIndex, check_shards, has_tars, member_name, read_index
+from .transforms import set_output_size
+
+logger = logging.getLogger(__name__)
+
+MAX_OPEN_SHARDS = 128  # per process: ImageNet in 64 MB shards is 2,300 files, past a common fd limit of 1,024
+
+
+def find_shards(root: str) -> Optional[ShardIndex]:
+    """The checked index of the shard folder ``root``; None when ``root`` is no shard folder
+    (an image folder); UserError for tars without an index (an unfinished conversion)."""
+    if not os.path.isfile(os.path.join(root, INDEX)):
+        if has_tars(root) and not os.path.isdir(os.path.join(root, "train")):
+            raise UserError(f"{root} holds tar files but no {INDEX}: an unfinished conversion, or shards another "
+                            f"tool wrote; run {MAKE_HINT.format(root=root)} (it continues an unfinished one)")
+        return None
+    index = read_index(root)
+    check_shards(index)
+    return index
+
+
+def open_rgb(fp) -> Image.Image:
+    """torchvision's ``pil_loader`` for a file object: the classic pipeline's loader."""
+    return Image.open(fp).convert("RGB")
+
+
+class SampleBytes(io.BytesIO):
+    """A sample's encoded image as a file PIL can open, named for the skipped-images report."""
+
+    def __init__(self, data: bytes, name: str):
+        super().__init__(data)
+        self.name = name
+
+
+class ShardDataset(Dataset):
+    """One split of a shard folder. Keys as :class:`SafeImageFolder`'s: ``row``, or
+    ``(row, seed[, size])`` from a sampler; ``loader`` turns a :class:`SampleBytes` into what
+    ``transform`` takes (the fast decoders take it as it is)."""
+
+    def __init__(self, split: SplitIndex, transform, loader):
+        self.split = split
+        self.transform = transform
+        self.loader = loader
+        self._table = None
+        self._fds: OrderedDict = OrderedDict()
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.split.samples
+
+    @property
+    def table(self):
+        if self._table is None:
+            self._table = self.split.table()
+        return self._table
+
+    def __getstate__(self) -> dict:
+        # Workers map the table themselves (one page-cached copy, not a pickled one each) and
+        # open their own file descriptors.
+        return dict(self.__dict__, _table=None, _fds=OrderedDict())
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not its own
+            self._fds, self._pid = OrderedDict(), os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN_SHARDS:
+                os.close(self._fds.popitem(last=False)[1])
+            fd = self._fds[shard] = os.open(self.split.path(shard), os.O_RDONLY)
+        else:
+            self._fds.move_to_end(shard)
+        return fd
+
+    def name(self, shard: int, offset: int) -> str:
+        """``train-000012.tar:KEY.jpg`` (the member's name from its tar header), for reports."""
+        shard_file = self.split.shards[shard]["name"]
+        try:
+            member = member_name(self._fd(shard), offset)
+        except OSError:
+            member = None
+        return f"{shard_file}:{member}" if member else f"{shard_file}@{offset}"
+
+    def __getitem__(self, key):
+        index, seed, size = (tuple(key) + (None,))[:3] if isinstance(key, tuple) else (key, None, None)
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)  # as SafeImageFolder: the CPU generator only
+        if size is not None:
+            set_output_size(self.transform, size)
+        shard, offset, length, label, _ = self.table[index].item()
+        try:
+            data = os.pread(self._fd(shard), length, offset)
+            if len(data) != length:
+                raise EOFError(f"{len(data)} of {length} bytes: the shard was truncated after start-up")
+            image = self.loader(SampleBytes(data, f"{self.split.shards[shard]['name']}@{offset}"))
+            if self.transform is not None:
+                image = self.transform(image)
+        except Exception as e:  # a broken sample must not end a multi-day run
+            name = self.name(shard, offset)
+            logger.debug("skipping unreadable sample %s: %s", name, e)
+            return None, label, name
+        return image, label, None

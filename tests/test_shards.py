@@ -1,0 +1,493 @@
+"""Tar shards: scripts/make_shards.py's conversion (every image once, labels, the class table,
+bad files reported, an interrupted run continued), the epoch order over shards (a permutation,
+equal ranks without padding, every validation image once), reading a sample as the folder reads
+its file (the same crops), and runs from shards: the same loss as the folder run, a mid-epoch
+resume bit for bit, a corrupt sample counted, a truncated shard or a missing index refused,
+a URL read through fsspec."""
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import pickle
+import shutil
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from imagenet.base.config import parse_config
+from imagenet.base.errors import UserError
+from imagenet.cli import main
+from imagenet.data import shardwriter
+from imagenet.data.decode import TrainDecoder, path_identity
+from imagenet.data.folder import SafeImageFolder
+from imagenet.data.gpudecode import CpuDecoded, JpegJob, TrainJpegReader
+from imagenet.data.loaders import build_datasets, build_loaders
+from imagenet.data.remote import local_copy
+from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
+from imagenet.data.shardindex import read_index
+from imagenet.data.shards import SampleBytes, ShardDataset
+from tests.helpers import assert_same_run, last_checkpoint, make_digits, photo, scratch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD_SIZE = 16_000  # about 5 digits a shard: 8 training shards, 2 of validation
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_shards_cli = _script("make_shards").main
+
+
+def convert(src, out, **kw):
+    return shardwriter.make_shards(str(src), str(out), shard_size=kw.pop("shard_size", SHARD_SIZE), seed=0,
+                                   workers=kw.pop("workers", 0), progress=False, **kw)
+
+
+def run_args(data, out, *extra):
+    """A seeded ResNet-18 run at 16 px, batch 8, loading in-process, for one epoch."""
+    return [str(data), "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize", "16",
+            "-p", "100", "--seed", "0", "--lr", "0.02", "--epochs", "1", "--output-dir", str(out), *map(str, extra)]
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    make_digits(root, train_per_class=4, val_per_class=1)  # 40 train (5 steps of 8), 10 val
+    return root
+
+
+@pytest.fixture(scope="module")
+def shards(digits, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards") / "out"
+    convert(digits, out)
+    return out
+
+
+def folder_files(root, split):
+    return SafeImageFolder(str(Path(root) / split)).samples
+
+
+# ------------------------------------------------------------------------------------ conversion
+
+
+def test_conversion_packs_every_image_once_with_its_label(digits, shards):
+    index = read_index(str(shards))
+    assert index.classes == [str(d) for d in range(10)]
+    assert (shards / "classes.txt").read_text().split() == index.classes
+    for split, count in (("train", 40), ("val", 10)):
+        files = folder_files(digits, split)
+        table = index.splits[split].table()
+        assert len(table) == count and sorted(table["id"]) == list(range(count))
+        # what another tool sees: consecutive KEY.png + KEY.cls members, labels in decimal
+        seen = []
+        for shard in index.splits[split].shards:
+            assert shard["bytes"] == os.path.getsize(shards / shard["name"]) <= SHARD_SIZE
+            with tarfile.open(shards / shard["name"]) as tar:
+                members = tar.getmembers()
+                assert len(members) == 2 * shard["samples"]
+                for image, label in zip(members[::2], members[1::2]):
+                    key, ext = image.name.split(".")
+                    assert (ext, label.name) == ("png", f"{key}.cls")
+                    seen.append((hashlib.sha1(tar.extractfile(image).read()).hexdigest(),
+                                 int(tar.extractfile(label).read())))
+        expected = [(hashlib.sha1(Path(p).read_bytes()).hexdigest(), label) for p, label in files]
+        assert sorted(seen) == sorted(expected)
+        # the index points at each image's bytes, with the folder's label and index
+        for shard_no, offset, size, label, image_id in table.tolist():
+            with open(shards / index.splits[split].shards[shard_no]["name"], "rb") as fh:
+                fh.seek(offset)
+                assert fh.read(size) == Path(files[image_id][0]).read_bytes()
+            assert label == files[image_id][1]
+    assert len(index.splits["train"].shards) > 2
+    train_ids = list(index.splits["train"].table()["id"])
+    assert train_ids != sorted(train_ids)  # shuffled once before packing
+    assert list(index.splits["val"].table()["id"]) == list(range(10))  # validation keeps the folder's order
+
+
+@pytest.fixture(scope="module")
+def with_bad_files(tmp_path_factory):
+    """Digits (2 train, 1 val a class) plus unreadable files: 2 in train, 3 in val (7 val images left)."""
+    root, out = tmp_path_factory.mktemp("bad") / "src", tmp_path_factory.mktemp("bad") / "out"
+    make_digits(root, train_per_class=2, val_per_class=1)
+    good = next((root / "train" / "1").iterdir()).read_bytes()
+    (root / "train" / "3" / "garbage.png").write_bytes(os.urandom(300))
+    (root / "train" / "5" / "cut.png").write_bytes(good[: len(good) // 2])
+    for c in (0, 4, 9):  # the only image of the class, emptied: the class stays, its image goes
+        next((root / "val" / str(c)).iterdir()).write_bytes(b"")
+    return root, out
+
+
+def test_bad_files_are_reported_and_not_packed(with_bad_files, capsys):
+    root, out = with_bad_files
+    assert make_shards_cli([str(root), str(out), "--shard-size", "16kB", "--workers", "2", "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "not packed, unreadable: train/3/garbage.png" in printed and "5 unreadable image(s)" in printed
+    listed = (out / "bad_files.txt").read_text()
+    emptied = {f"val/{c}/{next((root / 'val' / str(c)).iterdir()).name}" for c in (0, 4, 9)}
+    assert {line.split("\t")[0] for line in listed.splitlines()} == {"train/3/garbage.png", "train/5/cut.png",
+                                                                      *emptied}
+    index = json.loads((out / "index.json").read_text())
+    assert [index["splits"][s]["samples"] for s in ("train", "val")] == [20, 7]
+    assert [index["splits"][s]["skipped"] for s in ("train", "val")] == [2, 3]
+    # the ids stay the folder's: the unreadable files keep theirs, unused
+    bad_ids = {i for i, (p, _) in enumerate(folder_files(root, "train")) if "garbage" in p or "cut" in p}
+    ids = set(read_index(str(out)).splits["train"].table()["id"].tolist())
+    assert len(ids) == 20 and not ids & bad_ids
+
+
+def test_an_interrupted_conversion_is_refused_then_continued(digits, shards, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    real, closed = shardwriter._close, []
+
+    def stop_after_three(*a, **k):
+        real(*a, **k)
+        closed.append(1)
+        if len(closed) == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(shardwriter, "_close", stop_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        convert(digits, out)
+    monkeypatch.undo()
+    assert not (out / "index.json").exists()
+    assert main(run_args(out, tmp_path / "run")) == 2  # half-written: no index, so no run
+    err = capsys.readouterr().err
+    assert "no index.json" in err and "scripts/make_shards.py" in err
+    report = convert(digits, out)
+    assert report.continued_from > 0
+    # the same bytes as a conversion that never stopped
+    names = sorted(p.name for p in shards.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names
+    for name in names:
+        assert (out / name).read_bytes() == (shards / name).read_bytes(), name
+    assert convert(digits, out).finished_before
+    with pytest.raises(UserError, match="--overwrite"):
+        convert(digits, out, shard_size=2 * SHARD_SIZE)
+
+
+# ------------------------------------------------------------------------------------- samplers
+
+
+def uneven_rows(sizes=(5, 3, 7, 1, 4, 6), seed=0):
+    """(shard of each row, id of each row) for shards of ``sizes`` samples, ids shuffled."""
+    shard_of_row = np.repeat(np.arange(len(sizes)), sizes)
+    return shard_of_row, np.random.default_rng(seed).permutation(len(shard_of_row))
+
+
+def test_the_epoch_order_is_a_permutation_that_reads_a_window_of_shards_at_a_time():
+    shard_of_row, ids = uneven_rows()  # shards of 5, 3, 7, 1, 4 and 6
+    sizes = np.bincount(shard_of_row)
+    sampler = ShardWindowSampler(shard_of_row, ids, 1, 0, seed=3, window=9)
+    assert sampler.group == 2  # 9 of 26 images: 2 of the 6 shards at a time
+    orders = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        order = sampler.epoch_order()
+        assert sorted(order) == list(range(len(ids)))
+        np.testing.assert_array_equal(order, sampler.epoch_order())  # a function of (seed, epoch)
+        shards, start, interleaved = shard_of_row[order], 0, False
+        while start < len(order):  # blocks holding all the images of 2 shards, mixed
+            pair = list(dict.fromkeys(shards[start:].tolist()))[:2]
+            end = start + sizes[pair].sum()
+            assert set(shards[start:end].tolist()) == set(pair)
+            interleaved |= len([i for i in range(start + 1, end) if shards[i] != shards[i - 1]]) > 1
+            start = end
+        assert interleaved
+        orders.append(order)
+    assert not np.array_equal(*orders)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_partition_uneven_shards_without_padding(world):
+    shard_of_row, ids = uneven_rows()  # 26 samples in 6 shards of 1 to 7
+    full = ShardWindowSampler(shard_of_row, ids, 1, 0, seed=0, window=8)
+    full.set_epoch(2)
+    order = full.epoch_order()
+    ranks = []
+    for rank in range(world):
+        s = ShardWindowSampler(shard_of_row, ids, world, rank, seed=0, window=8)
+        s.set_epoch(2)
+        keys = list(s)
+        assert len(keys) == len(s) == 26 // world  # equal lengths, the tail dropped, nothing repeated
+        ranks.append([k[0] for k in keys])
+    everyone = [i for r in ranks for i in r]
+    assert len(set(everyone)) == len(everyone) == 26 // world * world
+    assert set(everyone) == set(order[: 26 // world * world].tolist())
+    # DDP's global batch k (each rank's k-th batch of 4 / world) holds single-process batch k's images
+    per_rank = 4 // world if 4 % world == 0 else None
+    if per_rank:
+        for k in range(len(ranks[0]) // per_rank):
+            together = {i for r in ranks for i in r[k * per_rank:(k + 1) * per_rank]}
+            assert together == set(order[k * 4:(k + 1) * 4].tolist())
+
+
+def test_seeds_come_from_the_image_id_and_a_full_window_is_the_folders_order():
+    shard_of_row, ids = uneven_rows()
+    shard = ShardWindowSampler(shard_of_row, ids, 2, 1, seed=5, window=10 ** 6)
+    folder = SeededSampler(list(range(26)), 2, 1, seed=5)
+    for epoch in (0, 3):
+        shard.set_epoch(epoch)
+        folder.set_epoch(epoch)
+        shard.set_start(2)
+        folder.set_start(2)
+        assert [(int(ids[row]), seed) for row, seed in shard] == list(folder)
+    shard.set_image_size(12)
+    assert all(len(key) == 3 and key[2] == 12 for key in shard)
+
+
+def test_a_resumed_epoch_is_the_rest_of_the_same_epoch():
+    shard_of_row, ids = uneven_rows()
+    s = ShardWindowSampler(shard_of_row, ids, 3, 2, seed=1, window=5)
+    s.set_epoch(4)
+    whole = list(s)
+    s.set_start(3)
+    assert list(s) == whole[3:] and len(s) == len(whole) - 3
+
+
+@pytest.mark.parametrize("n", [1, 7, 13])
+def test_validation_blocks_cover_every_image_once(n):
+    for world in range(1, 9):
+        blocks = [list(BlockSampler(n, rank, world)) for rank in range(world)]
+        assert [i for b in blocks for i in b] == list(range(n))
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_seven_validation_images_over_ranks_are_each_read_once(with_bad_files, world):
+    _, out = with_bad_files
+    if not (out / "index.json").exists():
+        convert(*with_bad_files)
+    cfg = parse_config(run_args(out, "/tmp"))
+    data = build_datasets(cfg, str(out), device=torch.device("cpu"))
+    seen = []
+    for rank in range(world):
+        ctx = SimpleNamespace(world_size=world, rank=rank, distributed=True, device=torch.device("cpu"))
+        _, val = build_loaders(parse_config(run_args(out, "/tmp", "-b", 2 * world)), data, ctx, 0)
+        ids = data.val.table["id"]
+        seen += [int(ids[i]) for i in val.sampler]
+        assert sum(len(targets) for _, targets, _ in val) == len(val.sampler)
+    assert sorted(seen) == sorted(data.val.table["id"].tolist()) and len(seen) == 7
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def test_a_sample_gives_its_files_crops_in_every_pipeline(digits, shards):
+    for pipeline in ("fast", "classic"):
+        cfg = parse_config(run_args(shards, "/tmp", "--data-pipeline", pipeline))
+        from_shards = build_datasets(cfg, str(shards), device=torch.device("cpu"))
+        from_folder = build_datasets(cfg, str(digits), device=torch.device("cpu"))
+        for split in ("train", "val"):
+            a, b = getattr(from_shards, split), getattr(from_folder, split)
+            for row, image_id in enumerate(a.table["id"].tolist()):
+                key_a, key_b = ((row, 1234 + image_id, 12), (image_id, 1234 + image_id, 12)) if split == "train" \
+                    else (row, image_id)
+                image, label, bad = a[key_a]
+                assert bad is None and label == b[key_b][1]
+                assert torch.equal(image, b[key_b][0]), (pipeline, split, row)
+
+
+def test_worker_processes_resume_a_shard_epoch_bit_exactly(shards):
+    """Workers map the table and open the shards themselves; how many there are changes nothing."""
+    from torch.utils.data import DataLoader
+    from imagenet.data.loaders import collate_skipping
+    data = ShardDataset(read_index(str(shards)).splits["train"], TrainDecoder(12, 0.25, 0.5), path_identity)
+    copy = pickle.loads(pickle.dumps(data))  # what a spawned worker gets: no table, no descriptors
+    assert copy._table is None and not copy._fds and torch.equal(copy[(3, 7)][0], data[(3, 7)][0])
+
+    def batches(start, workers):
+        sampler = ShardWindowSampler(data.table["shard"], data.table["id"], 2, 1, seed=3, window=10)
+        sampler.set_epoch(5)
+        sampler.set_start(start)
+        loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=workers, collate_fn=collate_skipping,
+                            drop_last=True)
+        return [(x, y) for x, y, _ in loader]
+    whole, resumed = batches(0, 2), batches(8, 1)
+    assert len(whole) == 5 and len(resumed) == 3
+    for (xa, ya), (xb, yb) in zip(whole[2:], resumed):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_the_gpu_decoders_worker_side_takes_a_sample_as_it_takes_a_file(tmp_path):
+    path = tmp_path / "photo.jpg"
+    photo(40, 56, seed=1).save(path, "JPEG")
+    reader = TrainJpegReader(TrainDecoder(16, 0.25, 0.5))
+    torch.manual_seed(7)
+    from_file = reader(str(path))
+    torch.manual_seed(7)
+    from_sample = reader(SampleBytes(path.read_bytes(), "train-000001.tar@512"))
+    assert isinstance(from_sample, JpegJob) and from_sample.data == path.read_bytes()
+    assert (from_sample.box, from_sample.flip, from_sample.path) == (from_file.box, from_file.flip,
+                                                                      "train-000001.tar@512")
+    png = tmp_path / "photo.png"
+    photo(40, 56, seed=1).save(png)
+    assert isinstance(reader(SampleBytes(png.read_bytes(), "x")), CpuDecoded)  # decoded in the worker, as a file
+
+
+def test_a_shard_cut_short_after_start_up_is_a_counted_skip(shards, tmp_path):
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    data = ShardDataset(read_index(str(copy)).splits["train"], None, lambda f: f.read())
+    last_row = max(range(len(data)), key=lambda r: (data.table[r]["shard"], data.table[r]["offset"]))
+    shard = data.split.path(int(data.table[last_row]["shard"]))
+    assert data[last_row][2] is None
+    os.truncate(shard, int(data.table[last_row]["offset"]) + 10)
+    image, label, name = data[last_row]
+    assert image is None and label == data.table[last_row]["label"]
+    assert name.startswith(os.path.basename(shard) + ":") and name.endswith(".png")
+
+
+# ---------------------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def shard_run(shards, tmp_path_factory):
+    """The one-epoch run from the shards: its metrics and what it printed."""
+    with scratch(tmp_path_factory, "shard_run") as out:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # the run's log handler writes to sys.stdout
+            assert main(run_args(shards, out)) == 0
+        yield metrics(out), printed.getvalue()
+
+
+def test_a_shard_run_matches_the_folder_run_of_the_same_images(digits, shards, shard_run, tmp_path):
+    assert main(run_args(digits, tmp_path)) == 0
+    folder, (from_shards, printed) = metrics(tmp_path), shard_run
+    for key in ("train_loss", "train_acc1", "val_loss", "val_acc1", "train_samples", "val_samples"):
+        assert from_shards[0][key] == folder[0][key], key
+    assert f"=> data: {shards} (tar shards (40 train / 10 val in 10 shards), 10 classes)" in printed
+
+
+def test_a_mid_epoch_checkpoint_resumes_bit_exactly(shards, tmp_path, monkeypatch):
+    windowed = ("--shuffle-window", "10")  # 2 of the 8 training shards at a time
+    straight = tmp_path / "straight"
+    assert main(run_args(shards, straight, *windowed)) == 0
+    from imagenet.training import engine
+    real = engine.train_one_epoch
+
+    def crash_after_save(*a, **k):
+        on_step = k["on_step"]
+
+        def hook(done, sums):
+            on_step(done, sums)
+            if done == 2:
+                raise KeyboardInterrupt  # as a kill -9 right after the checkpoint
+        return real(*a, **dict(k, on_step=hook))
+    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
+    split = tmp_path / "split"
+    assert main(run_args(shards, split, *windowed, "--save-every-steps", "2")) == 130
+    ckpt = last_checkpoint(split)
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, 2)
+    monkeypatch.undo()
+    assert main(run_args(shards, split, *windowed, "--resume", "auto")) == 0
+    assert_same_run(last_checkpoint(straight), last_checkpoint(split))
+    assert metrics(split)[-1]["train_loss"] == metrics(straight)[-1]["train_loss"]
+
+
+def test_a_corrupt_sample_is_skipped_and_counted(shards, tmp_path):
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    split = read_index(str(copy)).splits["train"]
+    shard, offset, size = (int(x) for x in split.table()[[0]][["shard", "offset", "size"]].item())
+    with open(split.path(shard), "r+b") as fh:  # the same length: only decoding can tell
+        fh.seek(offset)
+        fh.write(b"\x89PNG" + bytes(size - 4))
+    assert main(run_args(copy, tmp_path / "run", "--max-bad-fraction", "0.1")) == 0
+    row = metrics(tmp_path / "run")[0]
+    assert row["skipped_images"] == 1 and row["train_samples"] == 39
+    listed = (tmp_path / "run" / "skipped_images.txt").read_text()
+    assert f"{split.shards[shard]['name']}:" in listed and ".png" in listed
+
+
+def test_a_truncated_shard_stops_the_run_at_start_up(shards, tmp_path, capsys):
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    os.truncate(copy / "train-000003.tar", 5000)
+    assert main(run_args(copy, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "train-000003.tar has 5000 bytes" in err and "truncated" in err
+    (copy / "val-000001.tar").unlink()
+    os.truncate(copy / "train-000003.tar", (shards / "train-000003.tar").stat().st_size)
+    assert main(run_args(copy, tmp_path / "run")) == 2
+    assert "val-000001.tar is missing" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoint.pth.tar").exists()
+
+
+def test_tars_without_an_index_name_the_converter(tmp_path, capsys):
+    with tarfile.open(tmp_path / "train-000000.tar", "w") as tar:  # another tool's shard
+        tar.add(__file__, arcname="x/0001.py")
+    assert main(run_args(tmp_path, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "no index.json" in err and "python scripts/make_shards.py" in err
+
+
+# ------------------------------------------------------------------------------------------ URLs
+
+
+def memory_copy(shards, url):
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(url)
+    for path in shards.iterdir():
+        fs.pipe_file(f"{root}/{path.name}", path.read_bytes())
+    return fs, root
+
+
+def test_a_url_is_copied_once_into_the_cache_and_trains_as_the_local_folder(shards, shard_run, tmp_path, capsys):
+    fs, root = memory_copy(shards, "memory://i30/shards")
+    try:
+        assert main(run_args("memory://i30/shards", tmp_path / "run", "--cache-dir", tmp_path / "cache")) == 0
+        assert metrics(tmp_path / "run")[0]["train_loss"] == shard_run[0][0]["train_loss"]
+        assert "=> data: memory://i30/shards (tar shards (40 train" in capsys.readouterr().out
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_a_cached_copy_is_reused_and_replaced_when_the_index_changes(shards, tmp_path):
+    url = f"file://{tmp_path / 'remote'}"
+    shutil.copytree(shards, tmp_path / "remote")
+    local = Path(local_copy(url, tmp_path / "cache", progress=False))
+    assert sorted(p.name for p in local.iterdir()) == sorted([".lock", *(p.name for p in shards.iterdir())])
+    stamp = (local / "train-000000.tar").stat().st_mtime_ns
+    assert local_copy(url, tmp_path / "cache", progress=False) == str(local)
+    assert (local / "train-000000.tar").stat().st_mtime_ns == stamp  # not copied again
+    (local / "val-000000.tar").unlink()  # a damaged cache is repaired
+    local_copy(url, tmp_path / "cache", progress=False)
+    assert (local / "val-000000.tar").read_bytes() == (shards / "val-000000.tar").read_bytes()
+    index = json.loads((tmp_path / "remote" / "index.json").read_text())
+    index["splits"]["val"]["shards"] = index["splits"]["val"]["shards"][:1]  # the remote folder changed
+    (tmp_path / "remote" / "index.json").write_text(json.dumps(index))
+    local_copy(url, tmp_path / "cache", progress=False)
+    assert not (local / "val-000001.tar").exists()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("pipe:curl -s http://host/train-000000.tar", "pipe: URLs are not supported"),
+    ("nosuchprotocol://bucket/shards", "nosuchprotocol"),
+    ("memory://i30/nothing-here", "has no index.json"),
+])
+def test_url_errors_say_what_to_do(url, message, tmp_path, capsys):
+    assert main(run_args(url, tmp_path / "run", "--cache-dir", tmp_path / "cache")) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "no index" in message:
+        assert "scripts/make_shards.py" in err
+
+
+def test_a_url_without_fsspec_names_the_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "fsspec", None)
+    assert main(run_args("s3://bucket/shards", tmp_path / "run")) == 2
+    assert "pip install fsspec" in capsys.readouterr().err
