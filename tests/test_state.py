@@ -120,7 +120,7 @@ def test_the_first_epoch_writes_model_best_even_at_zero_accuracy(tmp_path):
 
 
 def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
     import bench
     built = []
     real = bench.build_training

@@ -15,12 +15,12 @@ from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
 from ..base.errors import UserError
+from ..base.paths import default_cache_dir
 from .cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
-from .prepare import default_cache_dir
 from .remote import is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
 from .shardindex import ShardIndex
