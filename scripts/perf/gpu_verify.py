@@ -911,9 +911,11 @@ def phase_defaults(args) -> None:
         fail(f"--old {args.old!r} holds no main.py: give the older commit's tree (git archive COMMIT | tar -x -C DIR)")
     caches = {tree: {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor-{tree}", "TRITON_CACHE_DIR": f"/tmp/triton-{tree}"}
               for tree in ("old", "new")}
+    stage = args.defaults_stage
     for env in caches.values():  # cold means cold: nothing from an earlier call
         for d in env.values():
-            shutil.rmtree(d, ignore_errors=True)
+            if stage != "time":
+                shutil.rmtree(d, ignore_errors=True)
     t0 = time.time()
 
     def cmd_of(name: str, epochs: int, steps: int) -> tuple:
@@ -926,7 +928,7 @@ def phase_defaults(args) -> None:
         return f"cd {here} && timeout {args.e2e_timeout} {run}", dict(caches[tree], CUDA_VISIBLE_DEVICES="0")
 
     waits = []
-    if not args.skip_cold:
+    if not args.skip_cold and stage != "time":
         for label in ("cold", "warm"):
             for name in ("new-fp16", "new-multiproc-fp16"):
                 cmd, env = cmd_of(name, 1, 30)
@@ -934,13 +936,16 @@ def phase_defaults(args) -> None:
                 waits.append((label, name, _first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
         print(f"  (cold and warm starts: {time.time() - t0:.0f} s)", flush=True)
     # the rows' compilations at once, so the timed rows below start from warm caches
-    compiled = [r for r in rows if r not in ("new-fp16", "new-multiproc-fp16") and
+    warmed = () if args.skip_cold else ("new-fp16", "new-multiproc-fp16")
+    compiled = [r for r in rows if r not in warmed and
                 ("--compile reduce-overhead" in DEFAULTS_ROWS[r][2] or
                  (DEFAULTS_ROWS[r][0] == "new" and "--compile off" not in DEFAULTS_ROWS[r][2]))]
-    if compiled:
+    if compiled and stage != "time":
         run_group([{"name": f"precompile-{r}", "cmd": cmd_of(r, 1, 12)[0], "env": cmd_of(r, 1, 12)[1]}
                    for r in compiled], args)
         print(f"  (compilations done at {time.time() - t0:.0f} s)", flush=True)
+    if stage == "compile":
+        return
     table_rows = []
     for name in rows:
         if time.time() - t0 > args.budget:
@@ -1029,6 +1034,9 @@ def main() -> int:
     p.add_argument("--defaults-epochs", type=int, default=4, help="defaults: epochs of each timed row")
     p.add_argument("--defaults-steps", type=int, default=30, help="defaults: steps of each epoch")
     p.add_argument("--skip-cold", action="store_true", help="defaults: leave out the cold and warm start runs")
+    p.add_argument("--defaults-stage", choices=("all", "compile", "time"), default="all",
+                   help="defaults: compile (empty the caches, compile every row) or time (with the caches as "
+                        "they are) alone, so that other work can share the GPU while compiling")
     p.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
     p.add_argument("--shards-parts", default="speed",
                    help="shards: comma list of speed (benchmark folder vs its shards, img/s), accuracy "
