@@ -21,7 +21,7 @@ from imagenet.base import wrappers  # noqa: E402
 from imagenet.base.config import ARCHS  # noqa: E402
 from imagenet.base.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from imagenet.cli import main  # noqa: E402
-from imagenet.models.registry import registry as models
+from imagenet.models import registry as models
 
 FORWARD_ARCHS = ("resnet18", "resnet50", "resnext50_32x4d", "wide_resnet50_2")
 # Tens of millions of parameters each: initialising them for real costs 1-2 s apiece here.
