@@ -1,7 +1,8 @@
 """A run's outputs other than checkpoints, written by rank 0 only: ``config.yaml`` (the
 resolved recipe, reusable as ``--config``), ``metrics.jsonl`` (one :class:`metrics.EpochRecord`
 per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, and the lines
-that report an epoch's overflow skips or input wait and the run's end."""
+that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
+run's end."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 
 import yaml
 
+from ..data.inputaccount import describe as describe_stages
 from .engine import Steady, TrainResult
 from .tblog import TensorBoardLog
 
@@ -67,8 +69,10 @@ class RunLog:
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s)", epoch, count,
                        ", ".join(paths[:3]) or "on other ranks", self.skipped_path)
 
-    def epoch(self, record: dict, train: TrainResult, loss_scale) -> None:
-        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell."""
+    def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
+        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell;
+        ``stages``: the ``--decode gpu`` input account of its training batches, this process's
+        (:mod:`imagenet.data.inputaccount`)."""
         if not self.active:
             return
         with open(self.metrics_path, "a") as fh:
@@ -79,6 +83,9 @@ class RunLog:
         if train.skipped_steps:
             logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
                         epoch, train.skipped_steps, train.steps, loss_scale)
+        if stages:
+            logger.info("=> epoch %d input stages: %s; the training loop waited for data %.0f%% of its steady time",
+                        epoch, describe_stages(stages, self.cfg.workers), 100 * train.data_wait_frac)
         if train.data_wait_frac > INPUT_BOUND:
             logger.warning("=> epoch %d was input-bound: the training loop waited for data %.0f%% of the time "
                            "(%.0f img/s); %s", epoch, 100 * train.data_wait_frac, train.img_per_s, self.input_hint())
