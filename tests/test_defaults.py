@@ -129,3 +129,74 @@ def test_the_plain_command_trains_on_the_fast_path_under_ddp(tmp_path, precision
                  "torch.compile with CUDA graphs (reduce-overhead)", "=> first step done"):
         assert line in out, out[-3000:]
     assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
+
+
+# --decode auto: where JPEGs are decoded, decided with the other defaults (imagenet/data/decodechoice.py)
+def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_process=1):
+    return Machine(device, mode, triton=device == "cuda", cpus_per_gpu=cpus_per_gpu,
+                   gpus_per_process=gpus_per_process, gpu_decode=gpu_decode)
+
+
+@pytest.mark.parametrize("flags, host, decode, words", [
+    # issue 28's table: one H200 of 16 cores; with the default 4 workers CPU decoding is the limit
+    ([], machine(16), "gpu", "4 workers, 16 CPU cores per GPU: 4 decoding for each GPU would hold the step back"),
+    (["-j", "15"], machine(16), "cpu", "15 decoding for each GPU keep up"),
+    (["-j", "6"], machine(16), "gpu", "6 decoding"),
+    # eight GPUs on 64 cores: 8 a GPU, however many workers each process asks for
+    (["-j", "15"], machine(8, mode="ddp"), "gpu", "8 CPU cores per GPU: 8 decoding"),
+    (["-j", "15"], machine(16, mode="ddp"), "cpu", "15 decoding"),
+    # DataParallel: one process's workers feed every GPU
+    (["-j", "24"], machine(16, mode="dp", gpus_per_process=2), "cpu", "12 decoding"),
+    (["-j", "16"], machine(16, mode="dp", gpus_per_process=2), "gpu", "8 decoding"),
+    (["-j", "15"], machine(2, device="cpu", mode="cpu", gpu_decode=False), "cpu", "no CUDA GPU"),
+    ([], machine(16, gpu_decode=False), "cpu", "no GPU JPEG decoder"),
+    (["--data-pipeline", "classic"], machine(2), "cpu", "--data-pipeline classic"),
+    (["--auto-augment", "randaugment"], machine(2), "cpu", "work on decoded pixels in the workers"),
+    (["--random-erase", "0.25"], machine(2), "cpu", "work on decoded pixels in the workers"),
+])
+def test_decode_auto_chooses_by_the_machine_and_says_why(flags, host, decode, words):
+    plan = plan_of(["DIR", "--decode", "auto", *flags], host)
+    assert plan.decode == decode
+    line = [c.line() for c in plan.choices if "--decode auto" in c.what]
+    assert len(line) == 1 and words in line[0], lines(plan)
+    assert line[0].startswith(f"JPEGs decoded {'on the GPU' if decode == 'gpu' else 'in the CPU workers'}")
+    cfg = parse_config(["DIR", "--decode", "auto", *flags])
+    assert plan.apply(cfg).decode == decode  # what the run and its config.yaml take
+
+
+def test_decode_auto_names_the_flag_that_changes_it():
+    def line(argv, host):
+        return lines(plan_of(["DIR", "--decode", "auto", *argv], host))
+    assert line([], machine(16)).endswith("(-j 12 --decode cpu decodes in the workers)")  # enough cores for it
+    assert line([], machine(8)).endswith("(--decode cpu decodes in the workers)")  # too few to help
+    assert line(["-j", "15"], machine(16)).endswith("(--decode gpu decodes on the GPU)")
+
+
+def test_decode_auto_on_synthetic_data_and_decode_as_asked_say_nothing():
+    plan = plan_of(["--dummy", "--decode", "auto"], machine(2))
+    assert plan.decode == "cpu" and "--decode" not in lines(plan)
+    for decode in ("cpu", "gpu"):  # asked for: stands, whatever the machine
+        plan = plan_of(["DIR", "--decode", decode], machine(64))
+        assert plan.decode == decode and "--decode" not in lines(plan)
+
+
+def test_the_machine_is_read_from_the_launch_context(monkeypatch):
+    import torch
+
+    from imagenet.parallel.distributed import DistContext
+    monkeypatch.setattr("imagenet.training.defaults.usable_cpus", lambda: 64)
+    cpu = Machine.of(DistContext("cpu", torch.device("cpu"), "test"))
+    assert cpu.cpus_per_gpu == 64 and not cpu.gpu_decode
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight processes, one GPU each, share the 64 cores
+    ddp = Machine.of(DistContext("ddp", torch.device("cpu"), "test", world_size=16))
+    assert ddp.cpus_per_gpu == 8 and ddp.gpus_per_process == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU run's banner")
+def test_decode_auto_on_a_cpu_run_is_resolved_in_the_config_and_the_banner(digits, tmp_path, capsys):
+    from imagenet.cli import main
+    assert main([digits, "--decode", "auto", "-a", "resnet18", "--epochs", "1", "--prof", "1", "-b", "8", "-j", "0",
+                 "--image-size", "16", "--val-resize", "16", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "=> default: JPEGs decoded in the CPU workers (--decode auto): no CUDA GPU here" in out, out
+    assert "decode: cpu" in (tmp_path / "config.yaml").read_text()

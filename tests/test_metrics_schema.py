@@ -41,7 +41,7 @@ def test_every_row_key_is_documented_and_no_loop_control_leaks(digits, tmp_path)
     assert len(rows) == 2
     for row in rows:
         assert set(row) <= readme_keys(), set(row) - readme_keys()
-        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks"}  # no --decode gpu here
+        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages"}  # no --decode gpu
 
 
 def test_optional_keys_are_left_out_when_the_run_has_none():

@@ -55,7 +55,8 @@ class Config:
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
     no_jpeg_draft: bool = False  # fast pipeline: decode training JPEGs at full scale too (validation always is)
-    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU
+    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU;
+    #                      auto: gpu where too few CPU cores per GPU would decode (imagenet/training/defaults.py)
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
@@ -155,7 +156,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
-            "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu"), "maxpool_kernel": MAXPOOL_KERNELS,
+            "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu", "auto"), "maxpool_kernel": MAXPOOL_KERNELS,
             "bn_kernel": BN_KERNELS}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
@@ -170,6 +171,9 @@ _HELP = {
     "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
                      "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
                      "decodes at full scale, as torchvision does",
+    "decode": "where training and validation JPEGs are decoded: cpu (default: in the data workers), gpu (the "
+              "workers read files, nvJPEG decodes batches on the GPU), auto (the GPU where the workers would get "
+              "too few CPU cores per GPU; the banner says what was chosen and why)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",

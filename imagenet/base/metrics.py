@@ -126,8 +126,11 @@ class EpochRecord:
     # --decode gpu: images decoded on the GPUs, and by CPUs instead (not plain JPEGs), train and val
     decoded_on_gpu: Optional[int] = None
     decode_fallbacks: Optional[int] = None
+    # --decode gpu: milliseconds per training batch in each stage of the input path, this
+    # process's (imagenet.data.inputaccount), and "batches", how many it covers
+    input_stages: Optional[dict] = None
 
-    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks")
+    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages")
 
     def to_dict(self) -> dict:
         """The JSON row: every key, less the optional ones this run does not produce."""

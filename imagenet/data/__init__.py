@@ -11,6 +11,8 @@
 * ``decode`` -- the fast CPU path: decode, crop, resize and flip in the workers (PIL).
 * ``cropbatch`` -- ``--decode cpu`` on a GPU: workers crop, the device resizes and flips.
 * ``gpudecode`` -- ``--decode gpu``: workers read bytes and draw crops, nvJPEG decodes.
+* ``decodechoice`` -- ``--decode auto``: CPU or GPU decoding from what the machine has.
+* ``inputaccount`` -- where a ``--decode gpu`` batch's time goes, per stage, per epoch.
 * ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds
   (over tar shards: shards shuffled, then a window of them at a time).
 * ``loaders`` -- datasets and loaders of a run, collation, per-process batch sizes.

@@ -1,9 +1,10 @@
 """``--decode gpu``: workers read JPEG bytes and draw the crop; the GPU decodes, crops and resizes.
 
-Workers do what needs no pixels: read the file (a tar shard's sample comes already read), read
-the header size, draw the RandomResizedCrop box and the flip from the per-sample seeded RNG
-exactly as the CPU path does (so ``--seed`` gives the same crops either way), and ship the
-compressed bytes (a tenth of the decoded size).
+Workers do what needs no pixels: read the file once (a tar shard's sample comes already read),
+parse its header from those bytes, draw the RandomResizedCrop box and the flip from the
+per-sample seeded RNG exactly as the CPU path does (so ``--seed`` gives the same crops either
+way), and ship the compressed bytes (a tenth of the decoded size), with the seconds each of
+those took (:mod:`imagenet.data.inputaccount` sums them per epoch).
 On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
 the batch, and one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear
 interpolation (PIL's filter, so the pixels match the CPU path within rounding) and flips every
@@ -18,6 +19,7 @@ like any unreadable image.
 from __future__ import annotations
 
 import io
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +46,8 @@ class JpegJob:
     box: tuple
     out: int
     flip: bool = False
+    read_s: float = 0.0  # seconds the worker spent reading the file
+    parse_s: float = 0.0  # and parsing its header and drawing the crop
 
 
 @dataclass
@@ -51,6 +55,8 @@ class CpuDecoded:
     """An image the worker decoded itself (not a plain JPEG): uint8 HWC, counted as a fallback."""
 
     image: torch.Tensor
+    read_s: float = 0.0  # seconds the worker spent reading the file
+    decode_s: float = 0.0  # and decoding it
 
 
 @dataclass
@@ -58,17 +64,30 @@ class JpegBatch:
     """A collated batch mixing device jobs and images the worker already decoded (fallbacks)."""
 
     items: list  # JpegJob or CpuDecoded, in batch order
+    worker_seconds: tuple = ()  # the worker's (read, parse, fallback) seconds over the batch
+
+    @staticmethod
+    def collate(items: list) -> "JpegBatch":
+        """Runs in the worker: the batch, with its worker's time per stage summed."""
+        jobs = [it for it in items if isinstance(it, JpegJob)]
+        fallbacks = [it for it in items if isinstance(it, CpuDecoded)]
+        return JpegBatch(items, (sum(it.read_s for it in items), sum(job.parse_s for job in jobs),
+                                 sum(f.decode_s for f in fallbacks)))
 
     def pin_memory(self, device=None):  # the DataLoader's pin-memory thread: bytes stay pageable
         return self
 
 
-def _read_bytes(src) -> bytes:
-    """The encoded image of ``src``: a path, or a tar shard's sample already in memory."""
+def _read_bytes(src) -> tuple:
+    """The encoded image of ``src`` (a path, or a tar shard's sample already in memory) and the
+    seconds reading it took (a sample's: the dataset's ``pread``, carried as ``read_s``)."""
+    start = time.perf_counter()
     if hasattr(src, "getvalue"):
-        return src.getvalue()
+        data = src.getvalue()
+        return data, getattr(src, "read_s", 0.0) + time.perf_counter() - start
     with open(src, "rb") as fh:
-        return fh.read()
+        data = fh.read()
+    return data, time.perf_counter() - start
 
 
 def _name(src) -> str:
@@ -80,11 +99,14 @@ class TrainJpegReader(TrainDecoderReader):
     same crop distribution, the same RNG draws)."""
 
     def __call__(self, path: str):
-        with Image.open(path) as img:
-            if img.format != "JPEG" or img.mode not in _JPEG_MODES:
-                return CpuDecoded(self.cpu(path))  # decoded here: counted as a fallback
+        data, read_s = _read_bytes(path)
+        start = time.perf_counter()
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format != "JPEG" or img.mode not in _JPEG_MODES:  # decoded here: counted as a fallback
+                image = self.cpu.decode(img, *self.cpu.draw(img))  # what self.cpu(path) does
+                return CpuDecoded(image, read_s, time.perf_counter() - start)
             box, flip = self.cpu.draw(img)
-        return JpegJob(_read_bytes(path), _name(path), "train", box, self.cpu.size, flip)
+        return JpegJob(data, _name(path), "train", box, self.cpu.size, flip, read_s, time.perf_counter() - start)
 
 
 class ValJpegReader:
@@ -94,11 +116,15 @@ class ValJpegReader:
         self.cpu = cpu_decoder  # a decode.ValDecoder
 
     def __call__(self, path: str):
-        with Image.open(path) as img:
+        data, read_s = _read_bytes(path)
+        start = time.perf_counter()
+        with Image.open(io.BytesIO(data)) as img:
             if img.format != "JPEG" or img.mode not in _JPEG_MODES:
-                return CpuDecoded(self.cpu(path))
+                image = self.cpu.decode(img)  # what self.cpu(path) does
+                return CpuDecoded(image, read_s, time.perf_counter() - start)
             new_w, new_h, top, left = self.cpu.geometry(*img.size)
-        return JpegJob(_read_bytes(path), _name(path), "val", (top, left, new_h, new_w), self.cpu.size)
+        return JpegJob(data, _name(path), "val", (top, left, new_h, new_w), self.cpu.size, read_s=read_s,
+                       parse_s=time.perf_counter() - start)
 
 
 def _resized(img: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ def collate_skipping(batch: Sequence) -> tuple:
     if not good:
         return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
     if isinstance(good[0][0], (JpegJob, CpuDecoded)):  # --decode gpu: the device decodes them
-        images = JpegBatch([g[0] for g in good])
+        images = JpegBatch.collate([g[0] for g in good])
     elif isinstance(good[0][0], CpuCrop):  # --decode cpu on a GPU: the device resizes them
         images = CropBatch.collate([g[0] for g in good])
     else:

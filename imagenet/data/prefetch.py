@@ -9,7 +9,10 @@ synthetic data) pass through, laid out as asked.
 With ``background=True`` (``--decode gpu``) a thread takes the batches from the DataLoader and
 prepares them -- nvJPEG decode, crops, resizes -- on its own stream, up to ``depth`` batches
 ahead. That work is mostly host-side launching (a few kernels per image); in the training thread
-it ran in series with the step's own launches, so the step waited for it.
+it ran in series with the step's own launches, so the step waited for it. The thread keeps an
+account, with host clocks only, of its waits for the workers and its work, and of the workers'
+own times that came with each batch (:mod:`imagenet.data.inputaccount`), read per epoch with
+:meth:`DeviceLoader.stage_account`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Iterator, Sequence
 
 import torch
 
 from .cropbatch import CropBatch
 from .gpudecode import JpegBatch, decode_batch
+from .inputaccount import InputAccount
 
 
 class Normalize:
@@ -55,6 +60,7 @@ class DeviceLoader:
         self.channels_last = channels_last
         self.normalize = Normalize(mean, std, device)
         self._counts = {"gpu": 0, "cpu": 0}
+        self.account = InputAccount()  # the background thread's (--decode gpu)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -75,6 +81,11 @@ class DeviceLoader:
         """Images decoded on the device / on a CPU instead (``--decode gpu``) since the last call."""
         counts, self._counts = self._counts, {"gpu": 0, "cpu": 0}
         return counts
+
+    def stage_account(self) -> dict:
+        """Milliseconds per batch in each stage of the background thread's input path since the
+        last call (:meth:`imagenet.data.inputaccount.InputAccount.take`; empty on the other paths)."""
+        return self.account.take()
 
     def _to_device(self, batch) -> tuple:
         """(images, targets, skipped, decode counts) on the device."""
@@ -143,6 +154,7 @@ class DeviceLoader:
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
         it = iter(self.loader)
+        account = self.account
 
         def offer(item) -> bool:
             while not stop.is_set():
@@ -157,14 +169,25 @@ class DeviceLoader:
             try:
                 with torch.cuda.device(self.device) if cuda else contextlib.nullcontext(), \
                         torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    clock, first = time.perf_counter(), True
                     for batch in it:
+                        arrived = time.perf_counter()
+                        if not first:  # the first wait is the workers starting up
+                            account.add("starved", arrived - clock)
+                        first = False
+                        images = batch[0]
+                        account.batch(images.worker_seconds if isinstance(images, JpegBatch) else None)
                         prepared = self._to_device(batch)
                         event = None
                         if cuda:
                             event = torch.cuda.Event()
                             event.record(stream)
+                        made = time.perf_counter()
+                        account.add("busy", made - arrived)
                         if not offer(("batch", prepared, event)):
                             return
+                        clock = time.perf_counter()
+                        account.add("ahead", clock - made)  # room in the queue only once the step took one
                 offer(("end", None, None))
             except BaseException as e:  # raised again in the training thread
                 offer(("error", e, None))

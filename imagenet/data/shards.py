@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from collections import OrderedDict
 from typing import Optional
 
@@ -49,11 +50,13 @@ def open_rgb(fp) -> Image.Image:
 
 
 class SampleBytes(io.BytesIO):
-    """A sample's encoded image as a file PIL can open, named for the skipped-images report."""
+    """A sample's encoded image as a file PIL can open, named for the skipped-images report;
+    ``read_s``: the seconds reading it took (``--decode gpu``'s per-stage account reports them)."""
 
-    def __init__(self, data: bytes, name: str):
+    def __init__(self, data: bytes, name: str, read_s: float = 0.0):
         super().__init__(data)
         self.name = name
+        self.read_s = read_s
 
 
 class ShardDataset(Dataset):
@@ -112,10 +115,12 @@ class ShardDataset(Dataset):
             set_output_size(self.transform, size)
         shard, offset, length, label, _ = self.table[index].item()
         try:
+            started = time.perf_counter()
             data = os.pread(self._fd(shard), length, offset)
+            read_s = time.perf_counter() - started
             if len(data) != length:
                 raise EOFError(f"{len(data)} of {length} bytes: the shard was truncated after start-up")
-            image = self.loader(SampleBytes(data, f"{self.split.shards[shard]['name']}@{offset}"))
+            image = self.loader(SampleBytes(data, f"{self.split.shards[shard]['name']}@{offset}", read_s))
             if self.transform is not None:
                 image = self.transform(image)
         except Exception as e:  # a broken sample must not end a multi-day run

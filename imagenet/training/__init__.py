@@ -1,6 +1,7 @@
 """A training run: wiring, the loops, the state, and every output.
 
 * ``runner`` -- :func:`run`: launch mode -> data -> training state -> resume -> epochs; the banner.
+* ``defaults`` -- fast by default: what each ``auto`` setting resolves to on this machine, and why.
 * ``engine`` -- the loops: :func:`train_one_epoch`, :func:`validate`, the LR schedule's shape.
 * ``state`` -- :class:`TrainState` (model, optimizer, schedule, precision, weight average) and
   :class:`Progress`; building and wrapping them.

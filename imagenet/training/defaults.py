@@ -3,10 +3,11 @@
 On a GPU the plain command (``main.py DIR -a resnet50 -b 256 --fp16``) trains in the fastest mode
 that is safe for it: channels_last tensors, the stem max-pool and the fused BatchNorm + add +
 ReLU on our Triton kernels, and the model compiled with CUDA graphs (``--compile
-reduce-overhead``). On a CPU nothing changes. :func:`resolve` decides each of the four from the
-config and the machine alone (a pure function, so tests can ask it about any machine), and
-returns every choice it made by itself with its reason and the flag that changes it, for the
-banner. A flag the user gave is never overridden; a combination that cannot take a fast path
+reduce-overhead``). On a CPU nothing changes. ``--decode auto`` (asked for; the default stays
+``cpu``) is decided here too, by :func:`imagenet.data.decodechoice.choose`. :func:`resolve`
+decides each of them from the config and the machine alone (a pure function, so tests can ask it
+about any machine), and returns every choice it made by itself with its reason and the flag that
+changes it, for the banner. A flag the user gave is never overridden; a combination that cannot take a fast path
 falls back to torch's with a line saying why, never an error.
 
 What each choice gives, per mode and machine, is in docs/PERFORMANCE.md.
@@ -20,6 +21,28 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..base.config import Config
+from ..data.decodechoice import choose as choose_decode
+from ..data.decodechoice import gpu_decoder_available
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity: a batch scheduler's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_processes(ctx) -> int:
+    """Training processes on this machine, which share its CPU cores: under DDP the launcher's
+    ``LOCAL_WORLD_SIZE`` (multiproc and torchrun set it), else as many as the world has GPUs here."""
+    if not ctx.distributed:
+        return 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    import torch
+    return max(min(ctx.world_size, torch.cuda.device_count()), 1)
 
 
 @dataclass(frozen=True)
@@ -29,12 +52,19 @@ class Machine:
     device: str  # "cuda" or "cpu": the training device's type
     mode: str  # the launch mode (DistContext.mode): cpu | gpu | dp | ddp
     triton: bool  # Triton compiles for this GPU (our kernels and Inductor's need it)
+    cpus_per_gpu: int = 1  # CPU cores of this machine over the GPUs training on it (--decode auto)
+    gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
+    gpu_decode: bool = False  # this torchvision decodes JPEGs on the GPU (nvJPEG)
 
     @classmethod
     def of(cls, ctx) -> "Machine":
         """This process's machine, from its launch context."""
         from ..kernels.fusedbn import available
-        return cls(ctx.device.type, ctx.mode, ctx.device.type == "cuda" and available())
+        cuda = ctx.device.type == "cuda"
+        gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
+        gpus_here = local_processes(ctx) * gpus_per_process
+        return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
+                   gpus_per_process=gpus_per_process, gpu_decode=cuda and gpu_decoder_available())
 
 
 @dataclass(frozen=True)
@@ -58,12 +88,14 @@ class SpeedPlan:
     bn_kernel: str  # torch | triton
     compile: str  # off | default | reduce-overhead | max-autotune
     tune_kernels: bool
+    decode: str = "cpu"  # cpu | gpu: where JPEGs are decoded
     choices: tuple = ()
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` with every ``auto`` replaced by what this plan chose."""
         return dataclasses.replace(cfg, channels_last=self.channels_last, maxpool_kernel=self.maxpool_kernel,
-                                   bn_kernel=self.bn_kernel, compile=self.compile, tune_kernels=self.tune_kernels)
+                                   bn_kernel=self.bn_kernel, compile=self.compile, tune_kernels=self.tune_kernels,
+                                   decode=self.decode)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
@@ -159,7 +191,11 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if not gpu and cfg.channels_last is None and cfg.compile == "auto" and cfg.bn_kernel == "auto":
         choices.append(Choice("contiguous tensors, torch's kernels, not compiled",
                               "the GPU fast path would not make a CPU run faster", "--channels-last, --compile MODE"))
-    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, tuple(choices))
+    decode = choose_decode(cfg, cuda=gpu, cpus_per_gpu=machine.cpus_per_gpu,
+                           gpus_per_process=machine.gpus_per_process, gpu_decoder=machine.gpu_decode)
+    if cfg.decode == "auto" and not cfg.dummy:
+        choices.append(Choice(decode.what, decode.why, decode.flag))
+    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices))
 
 
 def compile_cache_dir(cache_root: str) -> Optional[str]:

@@ -1,7 +1,8 @@
 """A run's outputs other than checkpoints, written by rank 0 only: ``config.yaml`` (the
 resolved recipe, reusable as ``--config``), ``metrics.jsonl`` (one :class:`metrics.EpochRecord`
 per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, and the lines
-that report an epoch's overflow skips or input wait and the run's end."""
+that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
+run's end. :func:`input_hint` says which stage an input-bound epoch waited for."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from typing import Optional
 
 import yaml
 
+from ..data.decodechoice import CPU_DECODE_CORES
+from ..data.inputaccount import describe as describe_stages
+from ..data.inputaccount import limiting_stage, worker_ms
+from .defaults import local_processes, usable_cpus
 from .engine import Steady, TrainResult
 from .tblog import TensorBoardLog
 
@@ -67,8 +72,10 @@ class RunLog:
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s)", epoch, count,
                        ", ".join(paths[:3]) or "on other ranks", self.skipped_path)
 
-    def epoch(self, record: dict, train: TrainResult, loss_scale) -> None:
-        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell."""
+    def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
+        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell;
+        ``stages``: the ``--decode gpu`` input account of its training batches, this process's
+        (:mod:`imagenet.data.inputaccount`), which names the stage an input-bound epoch waited for."""
         if not self.active:
             return
         with open(self.metrics_path, "a") as fh:
@@ -79,9 +86,13 @@ class RunLog:
         if train.skipped_steps:
             logger.info("=> epoch %d: %d of %d steps skipped for gradient overflow (loss scale now %g)",
                         epoch, train.skipped_steps, train.steps, loss_scale)
+        if stages:
+            logger.info("=> epoch %d input stages: %s; the training loop waited for data %.0f%% of its steady time",
+                        epoch, describe_stages(stages, self.cfg.workers), 100 * train.data_wait_frac)
         if train.data_wait_frac > INPUT_BOUND:
             logger.warning("=> epoch %d was input-bound: the training loop waited for data %.0f%% of the time "
-                           "(%.0f img/s); %s", epoch, 100 * train.data_wait_frac, train.img_per_s, self.input_hint())
+                           "(%.0f img/s); %s", epoch, 100 * train.data_wait_frac, train.img_per_s,
+                           self.input_hint(stages))
 
     def summary(self, best_acc1: float, last: dict, epochs_run: int, seconds: float, steady: Steady) -> dict:
         """The run's end: the summary ``run()`` returns, and its line."""
@@ -95,18 +106,56 @@ class RunLog:
                         summary["img_per_s"], 100 * summary["data_wait_frac"], os.path.abspath(self.cfg.output_dir))
         return summary
 
-    def input_hint(self) -> str:
-        """What to try when the loop waits for input."""
-        cfg = self.cfg
-        cpus = os.cpu_count() or 1
-        tips = [f"more data workers (-j, now {cfg.workers}; {cpus} CPUs here)"] if cfg.workers < cpus - 1 else []
-        if self.ctx.device.type == "cuda" and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
-                and cfg.auto_augment == "none" and cfg.random_erase == 0:
-            tips.append("--decode gpu (JPEG decoding on the GPU)")
-        if cfg.data_pipeline == "classic":
-            tips.append("--data-pipeline fast")
-        if cfg.no_jpeg_draft:
-            tips.append("dropping --no-jpeg-draft")
-        if not tips:
-            return f"the {cfg.workers} data workers already have every CPU here: this machine's input rate is the limit"
-        return "try " + ", ".join(tips)
+    def input_hint(self, stages: Optional[dict] = None) -> str:
+        """What limited the input, and what to try (:func:`input_hint` for this run)."""
+        processes = local_processes(self.ctx)
+        return input_hint(self.cfg, cuda=self.ctx.device.type == "cuda", cpus=max(usable_cpus() // processes, 1),
+                          processes=processes, stages=stages)
+
+
+def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Optional[dict] = None) -> str:
+    """The input-bound line's diagnosis: the stage the training loop waited for and what to try.
+    With ``--decode gpu`` (``cfg.decode`` is resolved) ``stages``, the epoch's input account in
+    milliseconds per batch, tells the CPU workers, reading files and the GPU decoding stage apart;
+    with ``--decode cpu`` the workers decode, and they were the limit. ``cpus``: the CPU cores of
+    this process's workers, ``processes``: the training processes sharing this machine."""
+    workers = f"{cfg.workers} data worker{'' if cfg.workers == 1 else 's'}"
+    here = "here" if processes == 1 else f"a process here ({processes} processes)"
+    more = f"more data workers (-j, now {cfg.workers}; {cpus} CPUs {here})" if cfg.workers < cpus - 1 else ""
+    if cfg.decode == "gpu" and stages:
+        g = stages.get
+        stage = limiting_stage(stages)
+        if stage == "ready":
+            return (f"the GPU decoding stage was the limit: its thread had the batches ready ahead (it waited "
+                    f"{g('ahead', 0):.0f} ms a batch for room), so the loop waited for the decode's kernels on the GPU")
+        if stage == "gpu":
+            if cpus - 1 >= CPU_DECODE_CORES:
+                tip = f"try --decode cpu -j {cpus - 1}, which decodes in the workers"
+            else:
+                tip = (f"with {cpus} CPUs {here}, --decode cpu is unlikely to do better (CPU decoding kept up with an "
+                       f"H200 from 15 workers, not with 6)")
+            return (f"the GPU decoding stage was the limit: its thread was busy {g('busy', 0):.0f} ms a batch "
+                    f"(nvJPEG's decode and the kernels' launches) while the {workers} kept up (it waited "
+                    f"{g('starved', 0):.0f} ms a batch for them); {tip}")
+        work = worker_ms(stages)
+        if stage == "files":
+            return (f"reading files was the limit: the GPU decoding stage waited {g('starved', 0):.0f} ms a batch for "
+                    f"the {workers}, which spent {g('read', 0):.0f} of their {work:.0f} ms a batch reading files (the "
+                    "storage, or a dataset larger than the page cache); "
+                    + (f"try {more}, or" if more else "try") + " the dataset on faster or local storage")
+        return (f"the CPU workers were the limit: the GPU decoding stage waited {g('starved', 0):.0f} ms a batch for "
+                f"the {workers} ({work:.0f} ms of work a batch each: reading {g('read', 0):.0f}, headers and crop "
+                f"draws {g('parse', 0):.0f}, CPU fallbacks {g('fallback', 0):.0f}); "
+                + (f"try {more}" if more else f"the {workers} already have every CPU {here}"))
+    tips = [more] if more else []
+    if cuda and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
+            and cfg.auto_augment == "none" and cfg.random_erase == 0:
+        tips.append("--decode gpu (JPEG decoding on the GPU)")
+    if cfg.data_pipeline == "classic":
+        tips.append("--data-pipeline fast")
+    if cfg.no_jpeg_draft:
+        tips.append("dropping --no-jpeg-draft")
+    limit = "" if cfg.dummy else "the CPU workers (decoding) were the limit: "
+    if not tips:
+        return f"{limit}the {workers} already have every CPU {here}: this machine's input rate is the limit"
+    return limit + "try " + ", ".join(tips)

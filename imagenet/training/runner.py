@@ -314,6 +314,8 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
                                 stop=stop.should_stop, on_step=first.hook(saver.step_hook(state, progress)))
         if not train.completed:
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
+        # --decode gpu: where the epoch's training batches spent their time, this process's
+        stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val))
@@ -326,11 +328,12 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
             best_acc1=max(progress.best_acc1, val.acc1), precision=state.precision.name, mode=ctx.mode, image_size=size,
-            world_size=ctx.world_size, restarts=ctx.restart_count, **averaged, **decoded).to_dict()
+            world_size=ctx.world_size, restarts=ctx.restart_count, input_stages=stages or None, **averaged,
+            **decoded).to_dict()
         progress = progress.next_epoch(val.acc1, record)
         steady, epochs_run, last = steady + train.steady, epochs_run + 1, record
         saver.save(state, progress, is_best)  # first: a metrics line never describes an epoch the checkpoint lacks
-        log.epoch(record, train, state.precision.loss_scale)
+        log.epoch(record, train, state.precision.loss_scale, stages)
         if cfg.prof > 0:
             break
     summary = log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady)

@@ -1,0 +1,86 @@
+"""``--decode auto``: decode JPEGs in the CPU workers or on the GPU, from what the machine has.
+
+:func:`choose` is a pure function of the recipe (the flags that need pixels in the workers, the
+worker count) and the machine's facts (a CUDA device or not, CPU cores per GPU, GPUs one process
+feeds, a GPU JPEG decoder in this torchvision), so its table is tested without either. The
+training layer's speed defaults (:mod:`imagenet.training.defaults`) gather the facts once and
+call it; it returns the choice with its reason and the flag that changes it, for the banner.
+
+The rule, from issue 28's measurements (ResNet-50 in the trainer's fastest mode, one H200 of a
+16-core machine, 30,000 JPEGs): CPU decoding kept up with the step with 15 workers (8,199 img/s
+of 8,340 on synthetic data) and fell to 3,039 with 6, where GPU decoding made 5,235 (5,797 with
+15). So the GPU decodes when fewer than :data:`CPU_DECODE_CORES` workers would decode for each
+GPU (the workers asked for, capped by the cores there are per GPU); from that many, the workers
+decode and the GPU only trains. The threshold sits between the two measured ends; no run has
+measured where between them the two paths cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CPU_DECODE_CORES = 12  # workers decoding for one GPU from which CPU decoding keeps up (15 did, 6 did not)
+_MEASURED = f"15 kept up with an H200, 6 did not; auto draws the line at {CPU_DECODE_CORES}"
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """Where JPEGs are decoded (``cpu`` | ``gpu``), why, and the flag that changes it."""
+
+    decode: str
+    why: str = ""
+    flag: str = ""
+
+    @property
+    def what(self) -> str:
+        """The choice in words, for the banner's default line."""
+        where = "on the GPU (nvJPEG)" if self.decode == "gpu" else "in the CPU workers"
+        return f"JPEGs decoded {where} (--decode auto)"
+
+
+def gpu_decoder_available() -> bool:
+    """Whether this torchvision decodes JPEGs on CUDA devices: a CUDA build with the nvJPEG op
+    behind ``torchvision.io.decode_jpeg(device='cuda')`` (CPU builds register the op too, and
+    refuse to run it)."""
+    try:
+        import torch
+        import torchvision
+        import torchvision.io.image  # noqa: F401  (registers the image ops)
+        return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
+           gpu_decoder: bool = False) -> DecodeChoice:
+    """``cfg.decode`` resolved: ``cpu`` and ``gpu`` stand as asked; ``auto`` decides by the rule in
+    the module's docstring. ``cuda``: training on a CUDA device; ``cpus_per_gpu``: this machine's
+    CPU cores over the GPUs training on it; ``gpus_per_process``: GPUs this process's workers feed
+    (DataParallel: all of them); ``gpu_decoder``: :func:`gpu_decoder_available`."""
+    if cfg.decode != "auto":
+        return DecodeChoice(cfg.decode)
+    if cfg.dummy:
+        return DecodeChoice("cpu", "synthetic data (--dummy): nothing to decode")
+    if cfg.data_pipeline == "classic":
+        return DecodeChoice("cpu", "--data-pipeline classic decodes with torchvision's transforms in the workers",
+                            "--data-pipeline fast can decode on the GPU")
+    if cfg.auto_augment != "none" or cfg.random_erase > 0:
+        return DecodeChoice("cpu", "--auto-augment and --random-erase work on decoded pixels in the workers",
+                            "without them --decode gpu can decode on the GPU")
+    if not cuda:
+        return DecodeChoice("cpu", "no CUDA GPU here", "--decode cpu says the same")
+    if not gpu_decoder:
+        return DecodeChoice("cpu", "this torchvision has no GPU JPEG decoder (nvJPEG comes with its CUDA builds)",
+                            "a CUDA build of torchvision, then --decode gpu")
+    decoding = min(cfg.workers // max(gpus_per_process, 1), cpus_per_gpu)
+    share = f"{_plural(cfg.workers, 'worker')}, {_plural(cpus_per_gpu, 'CPU core')} per GPU"
+    if decoding >= CPU_DECODE_CORES:
+        return DecodeChoice("cpu", f"{share}: {decoding} decoding for each GPU keep up with the step ({_MEASURED})", "--decode gpu decodes on the GPU")
+    fix = "--decode cpu decodes in the workers"
+    if cpus_per_gpu >= CPU_DECODE_CORES:
+        fix = f"-j {CPU_DECODE_CORES * max(gpus_per_process, 1)} {fix}"
+    return DecodeChoice("gpu", f"{share}: {decoding} decoding for each GPU would hold the step back ({_MEASURED})", fix)

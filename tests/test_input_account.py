@@ -1,0 +1,134 @@
+"""The --decode gpu input account (imagenet.data.inputaccount): the workers' times carried with
+each batch, the decode thread's waits and work, the epoch's line, and the input-bound line that
+reads it (imagenet.training.runlog.input_hint): which stage it names, in which words."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from imagenet.base.config import Config
+from imagenet.data.decode import TrainDecoder, ValDecoder
+from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, _read_bytes
+from imagenet.data.inputaccount import STAGES, InputAccount, describe, limiting_stage
+from imagenet.data.prefetch import DeviceLoader
+from imagenet.data.shards import SampleBytes
+from imagenet.training.runlog import RunLog, input_hint
+from tests.helpers import photo
+
+
+def stages(**ms) -> dict:
+    return {"batches": 50, **dict.fromkeys(STAGES, 0.0), **ms}
+
+
+# ms a batch: one worker's time for a batch, the decode thread's waits and work
+WORKERS_SLOW = stages(read=5, parse=60, starved=20, busy=9, ahead=0.1)
+FILES_SLOW = stages(read=70, parse=15, starved=30, busy=9)
+GPU_SLOW = stages(read=5, parse=30, starved=1, busy=44, ahead=0.5)
+READY = stages(read=5, parse=30, starved=1, busy=9, ahead=25)
+
+
+@pytest.mark.parametrize("account, stage", [(WORKERS_SLOW, "workers"), (FILES_SLOW, "files"), (GPU_SLOW, "gpu"),
+                                            (READY, "ready")])
+def test_the_stage_that_held_the_batches_up(account, stage):
+    assert limiting_stage(account) == stage
+
+
+def hint(account, workers=4, cpus=16, decode="gpu", processes=1, **flags):
+    return input_hint(Config(workers=workers, decode=decode, **flags), cuda=True, cpus=cpus, processes=processes,
+                      stages=account)
+
+
+def test_idle_workers_and_a_busy_decode_thread_name_the_gpu_decoding_stage():
+    """Issue 28: with 15 idle workers the line blamed the CPUs; the GPU stage was the limit."""
+    line = hint(GPU_SLOW, workers=15)
+    assert line.startswith("the GPU decoding stage was the limit: its thread was busy 44 ms a batch")
+    assert "the 15 data workers kept up (it waited 1 ms a batch for them)" in line
+    assert "already have every CPU" not in line and line.endswith("try --decode cpu -j 15, which decodes in the workers")
+    assert "--decode cpu is unlikely to do better" in hint(GPU_SLOW, cpus=8)
+    assert hint(READY).startswith("the GPU decoding stage was the limit: its thread had the batches ready ahead")
+
+
+def test_slow_workers_and_slow_reads_are_named_with_what_to_try():
+    line = hint(WORKERS_SLOW, workers=4, cpus=16)
+    assert line.startswith("the CPU workers were the limit: the GPU decoding stage waited 20 ms a batch for "
+                           "the 4 data workers (65 ms of work a batch each")
+    assert line.endswith("try more data workers (-j, now 4; 16 CPUs here)")
+    assert hint(WORKERS_SLOW, workers=15, cpus=16).endswith("the 15 data workers already have every CPU here")
+    # eight processes share 128 cores: 16 a process
+    assert hint(WORKERS_SLOW, workers=15, cpus=16, processes=8).endswith("every CPU a process here (8 processes)")
+    line = hint(FILES_SLOW)
+    assert line.startswith("reading files was the limit") and "spent 70 of their 85 ms a batch reading files" in line
+    assert line.endswith("try more data workers (-j, now 4; 16 CPUs here), or the dataset on faster or local storage")
+
+
+def test_cpu_decoding_names_the_workers_and_offers_the_gpu():
+    line = hint(None, workers=15, cpus=16, decode="cpu")
+    assert line == "the CPU workers (decoding) were the limit: try --decode gpu (JPEG decoding on the GPU)"
+    line = hint(None, workers=15, cpus=16, decode="cpu", auto_augment="randaugment")
+    assert line.endswith("the 15 data workers already have every CPU here: this machine's input rate is the limit")
+
+
+def test_the_account_sums_per_batch_and_resets():
+    account = InputAccount()
+    assert account.take() == {}
+    for _ in range(4):
+        account.batch((0.004, 0.010, 0.002))
+        account.add("busy", 0.020)
+        account.add("starved", 0.005)
+    got = account.take()
+    assert got["batches"] == 4 and got["read"] == pytest.approx(4.0) and got["parse"] == pytest.approx(10.0)
+    assert got["fallback"] == pytest.approx(2.0) and got["busy"] == pytest.approx(20.0)
+    assert account.take() == {}
+    assert describe(got, 4) == ("workers read 4.0 ms/batch, parse headers and draw crops 10.0 ms/batch, decode "
+                                "fallbacks 2.0 ms/batch (one worker's time for a batch; 4 workers); decode thread "
+                                "busy 80% (20.0 ms/batch), waiting for workers 20%, waiting for room 0% (4 batches)")
+
+
+@pytest.fixture(scope="module")
+def jpeg_and_png(tmp_path_factory):
+    root = tmp_path_factory.mktemp("account")
+    photo(60, 80, 0).save(root / "a.JPEG", "JPEG")
+    photo(60, 80, 1).save(root / "b.JPEG", "PNG")
+    return str(root / "a.JPEG"), str(root / "b.JPEG")
+
+
+def test_workers_time_their_reads_and_the_rest_and_the_batch_carries_the_sums(jpeg_and_png):
+    jpeg, png = jpeg_and_png
+    job, fallback = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))(jpeg), TrainJpegReader(TrainDecoder(32, 0.3, 0.5))(png)
+    assert isinstance(job, JpegJob) and job.read_s > 0 and job.parse_s > 0
+    assert isinstance(fallback, CpuDecoded) and fallback.read_s > 0 and fallback.decode_s > 0
+    val = ValJpegReader(ValDecoder(32, 40))(jpeg)
+    assert val.read_s > 0 and val.parse_s > 0
+    batch = JpegBatch.collate([job, fallback])
+    assert batch.worker_seconds == pytest.approx((job.read_s + fallback.read_s, job.parse_s, fallback.decode_s))
+    # a tar shard's sample was read by the dataset: its pread's time comes with it
+    data, read_s = _read_bytes(SampleBytes(b"\xff\xd8bytes", "train-000000.tar@512", read_s=0.25))
+    assert data == b"\xff\xd8bytes" and read_s >= 0.25
+
+
+def test_the_decode_thread_accounts_its_waits_and_its_work(jpeg_and_png):
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    batch = JpegBatch.collate([reader(jpeg_and_png[0]), reader(jpeg_and_png[1])])
+    batches = [(batch, torch.tensor([0, 1]), [])] * 3
+    loader = DeviceLoader(batches, torch.device("cpu"), False, (0.5,) * 3, (0.25,) * 3, background=True)
+    assert sum(len(t) for _, t, _ in loader) == 6
+    got = loader.stage_account()
+    assert got["batches"] == 3 and got["busy"] > 0
+    assert got["read"] == pytest.approx(1000 * batch.worker_seconds[0], abs=1e-3)  # rounded to a microsecond
+    assert loader.stage_account() == {}
+
+
+def test_an_epoch_of_gpu_decoding_logs_its_stages_and_names_the_stage_it_waited_for(tmp_path, caplog):
+    cfg = Config(output_dir=str(tmp_path), decode="gpu", workers=15)
+    ctx = types.SimpleNamespace(is_main=True, device=torch.device("cuda"), distributed=False)
+    train = types.SimpleNamespace(skipped_steps=0, steps=10, data_wait_frac=0.3, img_per_s=5000.0)
+    with caplog.at_level(logging.INFO, logger="imagenet"), RunLog(cfg, ctx) as log:
+        log.epoch({"epoch": 0}, train, None, GPU_SLOW)
+    text = caplog.text
+    assert "=> epoch 0 input stages: workers read 5.0 ms/batch" in text
+    assert "decode thread busy 97% (44.0 ms/batch), waiting for workers 2%" in text
+    assert "the training loop waited for data 30% of its steady time" in text
+    assert "input-bound" in text and "the GPU decoding stage was the limit" in text
+    assert "already have every CPU" not in text
