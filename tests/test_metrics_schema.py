@@ -1,4 +1,4 @@
-"""metrics.jsonl: one record type, every key documented in the README, nothing else leaks in."""
+"""metrics.jsonl: one record type, every key documented in docs/OPTIONS.md, nothing else leaks in."""
 
 import json
 import re
@@ -9,12 +9,12 @@ from imagenet.base.metrics import EPOCH_KEYS, EpochRecord
 from imagenet.cli import main
 from tests.helpers import digits_fixture
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "OPTIONS.md"
 
 
-def readme_keys() -> set:
-    """The keys of the README's metrics.jsonl table (rows whose first cell lists `key`s)."""
-    text = README.read_text()
+def documented_keys() -> set:
+    """The keys of docs/OPTIONS.md's metrics.jsonl table (rows whose first cell lists `key`s)."""
+    text = OPTIONS.read_text()
     table = text[text.index("Every line of `metrics.jsonl` has these keys"):]
     table = table[:table.index("\n\n", table.index("| key |"))]
     keys = set()
@@ -23,8 +23,8 @@ def readme_keys() -> set:
     return keys
 
 
-def test_the_readme_table_lists_exactly_the_record_fields():
-    assert readme_keys() == set(EPOCH_KEYS)
+def test_the_documented_table_lists_exactly_the_record_fields():
+    assert documented_keys() == set(EPOCH_KEYS)
 
 
 digits = digits_fixture(4, 1)
@@ -40,8 +40,8 @@ def test_every_row_key_is_documented_and_no_loop_control_leaks(digits, tmp_path)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 2
     for row in rows:
-        assert set(row) <= readme_keys(), set(row) - readme_keys()
-        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages"}  # no --decode gpu
+        assert set(row) <= documented_keys(), set(row) - documented_keys()
+        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages"}  # no --decode gpu here
 
 
 def test_optional_keys_are_left_out_when_the_run_has_none():
