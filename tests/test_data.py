@@ -407,3 +407,23 @@ def test_cli_end_to_end_stops_past_max_bad_fraction(cli_runs):
     results, info = cli_runs
     line = assert_one_line_error(*results["e2e-strict"])
     assert "--max-bad-fraction" in line
+
+
+def test_the_flat_val_hint_is_a_command_the_script_takes(tmp_path):
+    """The hint for the official flat val folder names a command line prepare_imagenet_val.py
+    accepts as it stands (it once gave a --ground-truth flag the script does not have)."""
+    import shlex
+    import subprocess
+    import sys
+    base, _ = _flat_val(tmp_path / "ds")
+    with pytest.raises(UserError) as exc:
+        check_layout(str(base))
+    command = str(exc.value).split("sort it into class folders with: ")[1].split(" (or")[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "scripts/prepare_imagenet_val.py"]
+    (tmp_path / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"ILSVRC2012_val_{i:08d},n01440764 1 2 3 4\n" for i in range(3)))
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / argv[1]), *argv[2:], "--dry-run"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -391,7 +391,7 @@ def test_benchmark_folder_is_the_same_for_any_number_of_jobs(tmp_path):
     """make_benchmark_imagefolder.py --jobs writes class folders in parallel; each class has its
     own seed, so the files do not depend on how many processes wrote them."""
     pytest.importorskip("skimage")
-    script = REPO / "scripts" / "make_benchmark_imagefolder.py"
+    script = REPO / "scripts" / "perf" / "make_benchmark_imagefolder.py"
     trees = {}
     for jobs in (1, 2):
         out = tmp_path / f"j{jobs}"

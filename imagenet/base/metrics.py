@@ -85,7 +85,7 @@ class AverageMeter:
 
 @dataclass
 class EpochRecord:
-    """One line of ``metrics.jsonl``: one epoch. The README's metrics table lists every key.
+    """One line of ``metrics.jsonl``: one epoch. docs/OPTIONS.md's metrics table lists every key.
 
     Rates are images per second, times seconds, accuracies percent; ``train_*`` cover the
     whole epoch, also one resumed in its middle.

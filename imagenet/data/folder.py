@@ -22,7 +22,7 @@ from .transforms import set_output_size
 logger = logging.getLogger(__name__)
 
 VAL_PREP_HINT = ("sort it into class folders with: python scripts/prepare_imagenet_val.py "
-                 "{val} --ground-truth LOC_val_solution.csv (or the devkit ground truth)")
+                 "{val} LOC_val_solution.csv (or the devkit ground truth)")
 
 
 def _is_image(name: str) -> bool:

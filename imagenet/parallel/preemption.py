@@ -3,7 +3,7 @@
 Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM and wait a grace period before
 SIGKILL. SLURM's ``#SBATCH --signal=USR1@120`` sends SIGUSR1 that long before the time limit:
 it stops the same way, and the exit status 128 + 10 = 138 tells a requeue script that the run
-stopped with a checkpoint and can be requeued (README: the sbatch example). The handler only
+stopped with a checkpoint and can be requeued (docs/DISTRIBUTED.md: the sbatch example). The handler only
 records the request; the training loop asks :meth:`should_stop` between steps. Under DDP every
 rank must stop after the same step (the checkpoint and the next collective need all of them), so
 ranks agree by an all-reduce every few steps. A second Ctrl-C stops at once.

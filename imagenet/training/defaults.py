@@ -98,6 +98,15 @@ class SpeedPlan:
                                    decode=self.decode)
 
 
+def resolved(cfg: Config, ctx) -> Config:
+    """``cfg`` as it runs in the launch context ``ctx``: unchanged where nothing is ``auto`` (the
+    runner resolves once, up front); else resolved here, for callers that build a training state
+    from a config of their own (benchmarks, tests)."""
+    if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
+        return cfg
+    return resolve(cfg, Machine.of(ctx)).apply(cfg)
+
+
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
     """Why ``--compile auto`` does not compile here (None: it compiles)."""
     if machine.device != "cuda":

@@ -28,8 +28,12 @@ INPUT_BOUND = 0.1  # share of the steady training time spent waiting for input t
 class RunLog:
     """Use as a context manager: the TensorBoard writer is closed at the end."""
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, requested=None):
+        """``cfg``: the run's config with every ``auto`` decided; ``requested``: the config as the
+        user gave it, which ``config.yaml`` keeps (so that ``--config`` decides again on the machine
+        that reads it), with the decisions in a comment above it."""
         self.cfg, self.ctx = cfg, ctx
+        self.requested = requested if requested is not None else cfg
         self.active = ctx.is_main
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
@@ -37,9 +41,14 @@ class RunLog:
 
     def __enter__(self) -> "RunLog":
         if self.active:
+            asked, ran = self.requested.to_dict(), self.cfg.to_dict()
+            decided = {k: v for k, v in ran.items() if asked.get(k) != v and k != "config"}
             with open(os.path.join(self.cfg.output_dir, "config.yaml"), "w") as fh:
+                if decided:
+                    fh.write("# decided for this machine (the keys below say auto; --config decides again where it "
+                             "runs):\n# " + yaml.safe_dump(decided, default_flow_style=True, width=10**6).strip() + "\n")
                 # every key but the config file itself
-                yaml.safe_dump({k: v for k, v in self.cfg.to_dict().items() if k != "config"}, fh, sort_keys=False)
+                yaml.safe_dump({k: v for k, v in asked.items() if k != "config"}, fh, sort_keys=False)
         return self
 
     def __exit__(self, *exc) -> None:

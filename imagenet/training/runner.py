@@ -178,7 +178,7 @@ def run(cfg: Config) -> dict:
     if plan.compile != "off":  # Inductor's caches where a second run of the command finds them
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir(str(cfg.cache_dir or default_cache_dir())))
     try:
-        return _run(plan.apply(cfg), ctx, plan, started)
+        return _run(plan.apply(cfg), ctx, plan, started, requested=cfg)
     finally:
         distributed.cleanup(ctx)
 
@@ -195,7 +195,7 @@ class _Start:
     iters: int  # optimizer steps per epoch
 
 
-def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float) -> dict:
+def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float, requested: Config) -> dict:
     seed = cfg.seed if cfg.seed is not None else 0
     _seed_everything(seed)  # same model initialisation on every rank
     if ctx.device.type == "cuda":
@@ -226,7 +226,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     if cfg.evaluate:
         return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
                         precision=state.precision, ctx=ctx, opts=opts).to_dict()
-    with StopRequest(ctx) as stop, RunLog(cfg, ctx) as log:
+    with StopRequest(ctx) as stop, RunLog(cfg, ctx, requested) as log:
         return _epochs(cfg, ctx, start, opts, stop, log, started)
 
 

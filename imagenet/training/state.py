@@ -27,6 +27,7 @@ from ..models.registry import compile_model, create_model, load_weights_into, us
 from ..parallel import distributed
 from ..precision import optim
 from ..precision import Precision, build_precision
+from .defaults import resolved
 from .ema import ModelEma
 from .engine import lr_lambda
 
@@ -131,6 +132,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     where it came from) to begin from (``--pretrained``, ``--weights``); ``precision``: a
     precision object to use instead of ``cfg``'s (benchmarks of a variant). The caller seeds
     the RNGs first: the model's initialisation draws from them."""
+    cfg = resolved(cfg, ctx)
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
                          use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
                          use_bn_kernels(cfg.bn_kernel, ctx.device))
@@ -168,6 +170,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
 def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     """The state with its model wrapped for the launch mode (DataParallel, DDP) and compiled as
     ``--compile`` says; after any weights are loaded (DDP broadcasts rank 0's at wrapping)."""
+    cfg = resolved(cfg, ctx)
     state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode,
                                 tune=cfg.tune_kernels)
     return state
