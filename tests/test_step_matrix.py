@@ -23,9 +23,11 @@ step_matrix = _load("step_matrix")
 
 def test_row_names_become_bench_flags():
     flags = step_matrix.row_flags("ro-b384-cdt-mp").split()
-    assert flags == ["--precision", "fp16", "--maxpool-kernel", "triton", "--compile", "reduce-overhead",
-                     "--batch-size", "384", "--tune-kernels"]
-    assert step_matrix.row_flags("eager") == "--precision fp16 --maxpool-kernel torch"
+    assert flags == ["--precision", "fp16", "--maxpool-kernel", "triton", "--bn-kernel", "torch", "--compile",
+                     "reduce-overhead", "--batch-size", "384", "--tune-kernels"]
+    # every speed setting is named, so a dummy: row through main.py takes none of its defaults
+    assert step_matrix.row_flags("eager") == "--precision fp16 --maxpool-kernel torch --bn-kernel torch --compile off"
+    assert "--bn-kernel triton" in step_matrix.row_flags("ro-bn-mp")
     assert "--precision amp-bf16" in step_matrix.row_flags("default-bf16")
 
 

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # A row's name is a mode and modifiers joined by "-", e.g. ro-b384-cdt-mp: the mode is eager
 # (no compile), default, ro (reduce-overhead: CUDA graphs) or ma (max-autotune); the modifiers
 # add flags. Every row is --fp16 and the stem's max-pool on torch's kernel unless it says.
-MODES = {"eager": "", "default": "--compile default", "ro": "--compile reduce-overhead", "ma": "--compile max-autotune"}
+MODES = {"eager": "--compile off", "default": "--compile default", "ro": "--compile reduce-overhead", "ma": "--compile max-autotune"}
 MODIFIERS = {
     "amp": "--precision amp", "bf16": "--precision amp-bf16",
     "cdt": "--tune-kernels",  # Inductor's coordinate-descent tuning of every generated kernel
@@ -47,7 +47,9 @@ def row_flags(name: str) -> str:
     mode, *mods = name.split("-")
     if mode not in MODES:
         raise SystemExit(f"row {name!r}: unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    flags = {"precision": "--precision fp16", "maxpool": "--maxpool-kernel torch", "mode": MODES[mode]}
+    # every speed setting named: main.py's defaults (dummy: rows) would otherwise choose for the row
+    flags = {"precision": "--precision fp16", "maxpool": "--maxpool-kernel torch", "bn": "--bn-kernel torch",
+             "mode": MODES[mode]}
     for mod in mods:
         if re.fullmatch(r"b\d+", mod):
             flags["batch"] = f"--batch-size {mod[1:]}"
