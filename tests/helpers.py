@@ -92,11 +92,12 @@ def make_digits(root, train_per_class: int, val_per_class: int, seed: int = 0) -
     return counts
 
 
-def digits_fixture(train_per_class: int, val_per_class: int):
-    """A module-scoped ``digits`` fixture: the folder of :func:`make_digits`, written once per module."""
+def digits_fixture(train_per_class: int, val_per_class: int, name: str = "digits"):
+    """A module-scoped fixture called ``name`` (``digits`` unless given): the folder of
+    :func:`make_digits`, written once per module."""
     import pytest
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module", name=name)
     def digits(tmp_path_factory):
         root = tmp_path_factory.mktemp("digits")
         make_digits(root, train_per_class=train_per_class, val_per_class=val_per_class)
