@@ -12,18 +12,7 @@ from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.precision import LossScaler, MasterWeightPrecision, build_precision
-from tests.helpers import batches, digits_fixture, last_checkpoint, scratch, small_net, tiny_run_args, train_steps
-
-
-# fp16 convolutions on a CPU run ~36x slower than fp32: the fp16 runs train on 30 images at batch 8
-# (3 steps an epoch) and validate 10. The dynamic loss scale starts at 2^14, where these gradients
-# overflow once: each first epoch skips a step and takes two (at the default 2^16 a run this small
-# skips every step, and a resume would carry no momentum).
-fp16_digits = digits_fixture(3, 1, name="fp16_digits")
-
-
-def fp16_args(data, out, *extra):
-    return tiny_run_args(data, out, "-b", "8", "--fp16", "--initial-loss-scale", "16384", *extra)
+from tests.helpers import batches, fp16_run_args, last_checkpoint, scratch, small_net, tiny_run_args, train_steps
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +20,7 @@ def fp16_epoch(fp16_digits, tmp_path_factory):
     """The output folder of one fp16 epoch, trained once for the tests that start from it; they
     resume in a copy (:func:`copy_of`)."""
     with scratch(tmp_path_factory, "fp16_epoch") as out:
-        assert main(fp16_args(fp16_digits, out, "--epochs", "1")) == 0
+        assert main(fp16_run_args(fp16_digits, out, "--epochs", "1")) == 0
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
         assert rows[0]["skipped_steps"] == 1 and rows[0]["steps"] == 3, rows  # the premise above
         yield out
@@ -54,8 +43,8 @@ def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(fp16_epoch):
 
 def test_fp16_resume_continues_bit_exactly(fp16_digits, fp16_epoch, tmp_path):
     straight, first = tmp_path / "straight", copy_of(fp16_epoch, tmp_path)
-    assert main(fp16_args(fp16_digits, straight, "--epochs", "2")) == 0
-    assert main(fp16_args(fp16_digits, first, "--epochs", "2", "--resume", "auto")) == 0
+    assert main(fp16_run_args(fp16_digits, straight, "--epochs", "2")) == 0
+    assert main(fp16_run_args(fp16_digits, first, "--epochs", "2", "--resume", "auto")) == 0
     a, b = last_checkpoint(straight), last_checkpoint(first)
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
@@ -88,7 +77,7 @@ def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(fp16_digits, tmp_pat
         real(self, model, state)
         seen.update({n: m.detach().clone() for n, m in zip(self.names, self.masters)})
     monkeypatch.setattr(prec_mod.MasterWeightPrecision, "load_model_state_dict", spy)
-    assert main(fp16_args(fp16_digits, tmp_path, "--epochs", "2", "--resume", "auto")) == 0
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "2", "--resume", "auto")) == 0
     assert seen and all(torch.equal(seen[n], saved[n]) for n in seen)
 
 

@@ -13,12 +13,12 @@ from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.models.registry import compile_model
 from imagenet.parallel.distributed import free_port
-from tests.helpers import fused_or_skip, last_checkpoint, tiny_run_args
+from tests.helpers import fp16_run_args, fused_or_skip, last_checkpoint, tiny_run_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_path, monkeypatch):
+def test_compiled_training_checkpoints_plain_weights_and_validates(fp16_digits, tmp_path, monkeypatch):
     """The compiled module is only a wrapper: checkpoints hold torchvision's own names, and the
     run validates and resumes as an uncompiled one. (Dynamo traces for real; the 'eager' backend
     skips code generation, which a 2-core CI machine cannot afford. Inductor runs on the GPU
@@ -31,15 +31,14 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16", "--compile", "reduce-overhead")) == 0
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "1", "--compile", "reduce-overhead")) == 0
     assert modes == ["reduce-overhead"]
     ckpt = last_checkpoint(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in ckpt["state_dict"])
     torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt["state_dict"])
     row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
-    assert row["val_samples"] == 80
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--fp16", "--compile", "default",
-                              "--resume", "auto")) == 0
+    assert row["val_samples"] == 10
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "2", "--compile", "default", "--resume", "auto")) == 0
     assert modes == ["reduce-overhead", None]
 
 
@@ -74,18 +73,19 @@ def test_unknown_compile_mode_is_a_flag_error(digits, tmp_path, capsys):
     assert "--compile" in capsys.readouterr().err
 
 
-def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
+def test_fused_optimizer_on_the_cpu_trains_like_foreach(fp16_digits, tmp_path):
     """--optimizer-impl fused (the GPU default) through the whole loop, fp16 with skips decided on
     the device, against the host-decided foreach run: same data, same weights to rounding."""
     fused_or_skip([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     runs = {}
     for impl in ("foreach", "fused"):
         out = tmp_path / impl
-        assert main(tiny_run_args(digits, out, "--epochs", "1", "--fp16", "--optimizer-impl", impl)) == 0
+        assert main(fp16_run_args(fp16_digits, out, "--epochs", "1", "--optimizer-impl", impl)) == 0
         runs[impl] = (last_checkpoint(out), json.loads(open(out / "metrics.jsonl").readline()))
     (a, row_a), (b, row_b) = runs["foreach"], runs["fused"]
     assert a["optimizer"]["param_groups"][0]["foreach"] and b["optimizer"]["param_groups"][0]["fused"]
     assert row_a["skipped_steps"] == row_b["skipped_steps"] and row_a["loss_scale"] == row_b["loss_scale"]
+    assert 0 < row_a["skipped_steps"] < row_a["steps"], row_a  # steps skipped and steps taken, both
     for k, v in a["state_dict"].items():
         if v.is_floating_point():
             torch.testing.assert_close(v, b["state_dict"][k], rtol=1e-4, atol=1e-5, msg=k)
