@@ -22,7 +22,7 @@ def fp16_epoch(fp16_digits, tmp_path_factory):
     with scratch(tmp_path_factory, "fp16_epoch") as out:
         assert main(fp16_run_args(fp16_digits, out, "--epochs", "1")) == 0
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-        assert rows[0]["skipped_steps"] == 1 and rows[0]["steps"] == 3, rows  # the premise above
+        assert rows[0]["skipped_steps"] == 1 and rows[0]["steps"] == 3, rows  # fp16_run_args: one skipped, two taken
         yield out
 
 
