@@ -87,3 +87,11 @@ def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
     make_digits(root, train_per_class=8, val_per_class=8)
     return str(root)
+
+
+@pytest.fixture(scope="module")
+def fp16_digits(tmp_path_factory):
+    """Rendered digits for fp16 runs (tests.helpers.fp16_run_args): 10 classes, 3 train and 1 val image each."""
+    root = tmp_path_factory.mktemp("fp16_digits")
+    make_digits(root, train_per_class=3, val_per_class=1)
+    return str(root)

@@ -71,12 +71,15 @@ def check(res: dict, n: int, size: int = 56) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the compiled kernel is tested instead")
 def test_kernel_resizes_the_workers_crops_as_pil_does_under_the_interpreter(tmp_path):
     pytest.importorskip("triton")
+    # 30 px: 900 output pixels an image, 3.5 of the kernel's blocks (gpugeometry.BLOCK), so a
+    # partial last block is still covered; the interpreter takes 3 s where 56 px took 10
     code = ("import json, sys; sys.path.insert(0, '.'); import tests.test_cropbatch as t; "
-            f"print(json.dumps(t.against_pil({str(tmp_path)!r})))")
+            f"print(json.dumps(t.against_pil({str(tmp_path)!r}, size=30)))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stderr[-3000:]
-    check(json.loads(r.stdout.strip().splitlines()[-1]), len(SHAPES) + 2)
+    check(json.loads(r.stdout.strip().splitlines()[-1]), len(SHAPES) + 2, size=30)
+    assert (30 * 30) % gpugeometry.BLOCK, "30 px no longer leaves a partial last block"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,6 +18,7 @@ from torchvision.datasets.folder import default_loader
 
 from imagenet.base.config import Config
 from imagenet.base.errors import UserError
+from imagenet.cli import main
 from imagenet.data.folder import SafeImageFolder, check_layout
 from imagenet.data.loaders import DataBundle, build_datasets, build_loaders, collate_skipping, per_process_batch
 from imagenet.data.samplers import ShardSampler
@@ -357,20 +358,14 @@ def _tiny_tree_with_a_bad_image(root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Start every CLI run of this module at once (each start imports torch), then collect them."""
+    """Start both runs of main.py at once (each start imports torch), then collect them."""
     tolerance = {"e2e-tolerant": "0.5", "e2e-strict": "0"}
-    with scratch(tmp_path_factory, *LAYOUT_CASES, *tolerance) as bases:  # the runs' checkpoints
-        base = dict(zip([*LAYOUT_CASES, *tolerance], bases))
+    with scratch(tmp_path_factory, *tolerance) as bases:  # the runs' checkpoints
         procs, info = {}, {}
-        for case, build in LAYOUT_CASES.items():
-            root, fragments = build(base[case] / "data" if case not in ("missing-dir", "dir-is-file") else base[case])
-            procs[case] = _main_py(root, "--epochs", "1", "-j", "0", "-b", "4", "--image-size", "16",
-                                   "--val-resize", "16", "--output-dir", base[case] / "out")
-            info[case] = fragments
-        for name, fraction in tolerance.items():
-            bad = _tiny_tree_with_a_bad_image(base[name] / "data")
-            out = base[name] / "out"
-            procs[name] = _main_py(base[name] / "data", *TINY, "--output-dir", out, "--max-bad-fraction", fraction)
+        for (name, fraction), base in zip(tolerance.items(), bases):
+            bad = _tiny_tree_with_a_bad_image(base / "data")
+            out = base / "out"
+            procs[name] = _main_py(base / "data", *TINY, "--output-dir", out, "--max-bad-fraction", fraction)
             info[name] = (bad, out)
         results = {}
         for name, proc in procs.items():
@@ -380,11 +375,17 @@ def cli_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
-def test_cli_layout_error_is_one_line_exit_2(cli_runs, case):
-    results, info = cli_runs
-    line = assert_one_line_error(*results[case])
-    for fragment in info[case]:
+def test_cli_layout_error_is_one_line_exit_2(tmp_path, capsys, case):
+    """Through the command line's entry in this process (main.py as a process: the e2e-strict run
+    below ends on a user error the same way)."""
+    root, fragments = LAYOUT_CASES[case](tmp_path / "data" if case not in ("missing-dir", "dir-is-file") else tmp_path)
+    rc = main([str(root), "--epochs", "1", "-j", "0", "-b", "4", "--image-size", "16", "--val-resize", "16",
+               "--output-dir", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    line = assert_one_line_error(rc, captured.out, captured.err)
+    for fragment in fragments:
         assert fragment in line, line
+    assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
 def test_cli_end_to_end_skips_and_reports_an_unreadable_image(cli_runs):

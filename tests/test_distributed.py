@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import torchvision
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from imagenet.parallel.distributed import free_port  # noqa: E402
-from tests.helpers import make_digits  # noqa: E402
+from tests.helpers import make_digits, scratch  # noqa: E402
 
 PER_CLASS = 4  # -> 40 train images (5 global batches of 8), 40 val images before one is removed
 N_CLASSES = 10
@@ -124,10 +125,19 @@ def read_metrics(out_dir):
 
 # --------------------------------------------------------------------- 1. two ranks, end to end
 
-def test_two_rank_ddp_run_end_to_end(dataset, tmp_path):
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    r = run(multiproc("--nproc-per-node", 2, "--log-dir", logs, "main.py", dataset["root"], *TINY,
-                      "-b", 8, "--epochs", 1, "--dist-backend", "gloo", "--output-dir", out))
+@pytest.fixture(scope="module")
+def ddp_epoch(dataset, tmp_path_factory):
+    """One epoch of two ranks through the launcher: (the launcher's result, the output folder,
+    the log folder). Run once; a test that writes into the output folder works on a copy."""
+    with scratch(tmp_path_factory, "ddp_epoch") as base:
+        out, logs = base / "out", base / "logs"
+        r = run(multiproc("--nproc-per-node", 2, "--log-dir", logs, "main.py", dataset["root"], *TINY,
+                          "-b", 8, "--epochs", 1, "--dist-backend", "gloo", "--output-dir", out))
+        yield r, out, logs
+
+
+def test_two_rank_ddp_run_end_to_end(dataset, ddp_epoch):
+    r, out, logs = ddp_epoch
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
 
@@ -248,10 +258,13 @@ def test_ddp_two_ranks_match_one_process(dataset, tmp_path):
     def args(out):
         return [driver, REPO, dataset["root"], out, steps, lr]
 
-    r = run([sys.executable, *map(str, args(single))])
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, *args(ddp)))
-    assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "GPU_1.log").read_text()
+    with ThreadPoolExecutor(2) as pool:  # both at once: each is mostly its processes' start-up
+        one = pool.submit(run, [sys.executable, *map(str, args(single))])
+        two = pool.submit(run, multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, *args(ddp)))
+        r = one.result()
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = two.result()
+        assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "GPU_1.log").read_text()
 
     a = torch.load(single, weights_only=True)
     b = torch.load(ddp, weights_only=True)
@@ -509,11 +522,10 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
 
 # ------------------------------------------- 8. a checkpoint from N processes resumes on M
 
-def test_two_rank_checkpoint_resumes_in_one_process(dataset, tmp_path):
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    r = run(multiproc("--nproc-per-node", 2, "--log-dir", logs, "main.py", dataset["root"], *TINY,
-                      "-b", 8, "--epochs", 1, "--dist-backend", "gloo", "--output-dir", out))
+def test_two_rank_checkpoint_resumes_in_one_process(dataset, ddp_epoch, tmp_path):
+    r, ddp_out, _ = ddp_epoch
     assert r.returncode == 0, r.stdout + r.stderr
+    out = shutil.copytree(ddp_out, tmp_path / "out")
     r = run(main_py(dataset["root"], *TINY, "-b", 8, "--epochs", 2, "--resume", "auto", "--output-dir", out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed" in r.stdout and "continuing at epoch 1" in r.stdout

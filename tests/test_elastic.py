@@ -28,7 +28,7 @@ digits = digits_fixture(7, 1)
 LINE = re.compile(r"Epoch: \[(\d+)\]\[\s*(\d+)/\d+\]")
 
 
-def launcher(data, out, *flags):
+def launcher(data, out, *flags, stdout=subprocess.PIPE):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(var, None)
@@ -37,7 +37,7 @@ def launcher(data, out, *flags):
            "--image-size", "16", "--val-resize", "16", "-p", "1", "--seed", "0", "--lr", "0.02",
            "--epochs", "2", "--dist-backend", "gloo", "--save-every-steps", str(EVERY),
            "--output-dir", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 def weights(out):
@@ -61,11 +61,23 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def straight(digits, tmp_path_factory):
+    """The uninterrupted run, started here and left running beside the test's (every rank is one
+    thread, and much of a run is starting processes): ``straight()`` waits for it and gives its
+    checkpoint."""
     with scratch(tmp_path_factory, "straight") as out:
-        proc = launcher(digits, out)
-        log = proc.communicate(timeout=300)[0]
-        assert proc.returncode == 0, log
-        yield weights(out)
+        with open(out / "launcher.log", "w") as log:
+            proc = launcher(digits, out, stdout=log)
+
+        def result():
+            proc.wait(timeout=300)
+            assert proc.returncode == 0, (out / "launcher.log").read_text()
+            return weights(out)
+        try:
+            yield result
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # the launcher passes it on to its ranks
+                proc.wait(timeout=60)
 
 
 def test_two_kills_are_survived_and_the_weights_match_an_uninterrupted_run(digits, straight, tmp_path):
@@ -116,7 +128,7 @@ def test_two_kills_are_survived_and_the_weights_match_an_uninterrupted_run(digit
     assert [r["epoch"] for r in rows] == [0, 1], why  # one row per epoch
     assert [r["restarts"] for r in rows] == [1, 2], why
     assert rows[-1]["train_samples"] == 8 * STEPS
-    ckpt = weights(tmp_path)
+    ckpt, straight = weights(tmp_path), straight()
     for key, value in straight["state_dict"].items():
         assert torch.equal(value, ckpt["state_dict"][key]), f"{key} differs; {why}"
     for a, b in zip(straight["optimizer"]["state"].values(), ckpt["optimizer"]["state"].values()):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from imagenet.base.errors import UserError
 from imagenet.models.registry import create_model, has_fused_bn, use_bn_kernels
-from tests.helpers import multiproc_dummy_run
+from tests.helpers import multiproc_dummy_run, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -181,24 +181,72 @@ def compare_models(device: str = "cpu") -> dict:
     return out
 
 
-def _interpreted(code: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
-                        "import tests.test_fusedbn as t; " + code], cwd=REPO, capture_output=True, text=True,
-                       timeout=900, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _interpreted(code: str) -> subprocess.Popen:
+    """A child under Triton's interpreter that runs ``code`` after ``import tests.test_fusedbn as t``
+    and prints its result as JSON."""
+    return subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
+                             "import tests.test_fusedbn as t; " + code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+
+
+class _Started(dict):
+    """Child processes by name, started at once; ``result(name)`` waits for one (once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = {}
+
+    def result(self, name: str, timeout: int = 900) -> subprocess.CompletedProcess:
+        if name not in self.done:
+            proc = self[name]
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.done[name]
+
+    def json(self, name: str) -> dict:
+        r = self.result(name)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def stop(self):
+        for proc in self.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def interpreter_runs(tmp_path_factory):
+    """Every child of this module that runs the kernels under Triton's interpreter, all started at
+    once: the interpreter runs one kernel program at a time in Python, so each child keeps one
+    core busy (one after another they took 2 minutes of a 2-core machine's 2.5)."""
+    pytest.importorskip("triton")
+    with scratch(tmp_path_factory, "fusedbn_main") as out:
+        runs = _Started()
+        try:
+            runs["layers"] = _interpreted("print(json.dumps(t.compare_layers()))")
+            runs["models"] = _interpreted("print(json.dumps(t.compare_models()))")
+            runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled()))")
+            runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+            runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
+            runs.out = out
+            yield runs
+        finally:
+            runs.stop()
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
-def test_layers_match_torch_under_the_interpreter():
-    pytest.importorskip("triton")
-    _check_layers(_interpreted("print(json.dumps(t.compare_layers()))"))
+def test_layers_match_torch_under_the_interpreter(interpreter_runs):
+    _check_layers(interpreter_runs.json("layers"))
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
-def test_a_fused_resnet_trains_as_torchvisions_under_the_interpreter():
-    pytest.importorskip("triton")
-    for name, r in _interpreted("print(json.dumps(t.compare_models()))").items():
+def test_a_fused_resnet_trains_as_torchvisions_under_the_interpreter(interpreter_runs):
+    for name, r in interpreter_runs.json("models").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-4, (name, r)
         assert r["two_gradients"] == r["blocks"] - 1, (name, r)
 
@@ -263,11 +311,10 @@ def _counting(calls: list):
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested inside Inductor instead")
-def test_the_kernels_inside_torch_compile_under_the_interpreter():
+def test_the_kernels_inside_torch_compile_under_the_interpreter(interpreter_runs):
     """torch.compile traces the ops (their fake kernels, the autograd rule, the running
     statistics' in-place update) and gives eager's results."""
-    pytest.importorskip("triton")
-    r = _interpreted("print(json.dumps(t.compare_compiled()))")
+    r = interpreter_runs.json("compiled")
     assert r["err"] < 1e-5 and r["ops"] == ["imagenet.bn_act.default", "imagenet.bn_stats.default"], r
     _check_two_gradients(r)
 
@@ -316,42 +363,50 @@ def test_launch_settings_from_the_environment(monkeypatch):
             use_bn_kernels("triton", torch.device("cpu"))
 
 
-def _main(tmp_path, name: str, kernel: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "main.py", "--dummy", "-a", "resnet18", "--epochs", "1", "-b", "8",
-                           "--image-size", "32", "--val-resize", "32", "--dummy-train-size", "24",
-                           "--dummy-val-size", "8", "--dummy-classes", "4", "-j", "0", "--seed", "0",
-                           "--channels-last", "--bn-kernel", kernel, "--optimizer-impl", "foreach",
-                           "--output-dir", str(tmp_path / name)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, **env))
+def _main(out, name: str, kernel: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "main.py", "--dummy", "-a", "resnet18", "--epochs", "1", "-b", "8",
+                             "--image-size", "32", "--val-resize", "32", "--dummy-train-size", "24",
+                             "--dummy-val-size", "8", "--dummy-classes", "4", "-j", "0", "--seed", "0",
+                             "--channels-last", "--bn-kernel", kernel, "--optimizer-impl", "foreach",
+                             "--output-dir", str(out / name)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **env))
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: test_main_trains_with_the_kernels_under_ddp runs main.py")
-def test_main_with_the_kernels_trains_like_torchs_modules_under_the_interpreter(tmp_path):
+def test_main_with_the_kernels_trains_like_torchs_modules_under_the_interpreter(interpreter_runs):
     """Three steps through main.py, fused and plain, from the same seed: the same training loss
     to 1%, torchvision's state dict. (Not the same weights to rounding: at 8 images a step the
     small BatchNorms make training this chaotic that torch's own float32 modules are 5% off a
     float64 run after two steps, 20% after three, and the kernels as far: tests/test_fusedbn.py's
     one-step comparisons against float64 are the exact check.)"""
-    pytest.importorskip("triton")
-    fused = _main(tmp_path, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    fused = interpreter_runs.result("main-fused", timeout=600)
     assert fused.returncode == 0, fused.stderr[-3000:]
     assert "BatchNorm + add + ReLU fused in Triton" in fused.stdout
-    plain = _main(tmp_path, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
+    plain = interpreter_runs.result("main-plain", timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    rows = [json.loads(open(tmp_path / name / "metrics.jsonl").readline()) for name in ("fused", "plain")]
+    out = interpreter_runs.out
+    rows = [json.loads(open(out / name / "metrics.jsonl").readline()) for name in ("fused", "plain")]
     assert rows[0]["steps"] == rows[1]["steps"] == 3
     assert rows[0]["train_loss"] == pytest.approx(rows[1]["train_loss"], rel=1e-2)
-    a = torch.load(tmp_path / "fused" / "checkpoint.pth.tar", weights_only=False)["state_dict"]
+    a = torch.load(out / "fused" / "checkpoint.pth.tar", weights_only=False)["state_dict"]
     create_model("resnet18", 4).load_state_dict(a)
 
 
 def test_main_refuses_the_kernels_where_they_cannot_run(tmp_path):
-    r = _main(tmp_path, "cpu", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"})
-    assert r.returncode == 2 and "--bn-kernel triton needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
-    r = _main(tmp_path, "bad", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
-                                          "IMAGENET_BN_LAUNCH": "stats=4096"})
-    assert r.returncode == 2 and "IMAGENET_BN_LAUNCH='stats=4096' is not a JSON object" in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
+    runs = _Started()  # both at once: each child's time is mostly importing torch
+    try:
+        runs["cpu"] = _main(tmp_path, "cpu", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"})
+        runs["bad"] = _main(tmp_path, "bad", "triton", {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
+                                                        "IMAGENET_BN_LAUNCH": "stats=4096"})
+        r = runs.result("cpu", timeout=600)
+        assert r.returncode == 2 and "--bn-kernel triton needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+        r = runs.result("bad", timeout=600)
+        assert r.returncode == 2 and "IMAGENET_BN_LAUNCH='stats=4096' is not a JSON object" in r.stderr, \
+            r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+    finally:
+        runs.stop()
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,12 +12,26 @@ from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.precision import LossScaler, MasterWeightPrecision, build_precision
-from tests.helpers import batches, last_checkpoint, small_net, tiny_run_args, train_steps
+from tests.helpers import batches, fp16_run_args, last_checkpoint, scratch, small_net, tiny_run_args, train_steps
 
 
-def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(digits, tmp_path):
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
-    ckpt = last_checkpoint(tmp_path)
+@pytest.fixture(scope="module")
+def fp16_epoch(fp16_digits, tmp_path_factory):
+    """The output folder of one fp16 epoch, trained once for the tests that start from it; they
+    resume in a copy (:func:`copy_of`)."""
+    with scratch(tmp_path_factory, "fp16_epoch") as out:
+        assert main(fp16_run_args(fp16_digits, out, "--epochs", "1")) == 0
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        assert rows[0]["skipped_steps"] == 1 and rows[0]["steps"] == 3, rows  # fp16_run_args: one skipped, two taken
+        yield out
+
+
+def copy_of(run, tmp_path):
+    return shutil.copytree(run, tmp_path / "run")
+
+
+def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(fp16_epoch):
+    ckpt = last_checkpoint(fp16_epoch)
     state = ckpt["state_dict"]
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     torchvision.models.resnet18(num_classes=10).load_state_dict(state)  # strict
@@ -26,11 +41,10 @@ def test_fp16_checkpoint_holds_fp32_masters_loadable_by_torchvision(digits, tmp_
     assert not torch.equal(w, w.half().float())
 
 
-def test_fp16_resume_continues_bit_exactly(digits, tmp_path):
-    straight, first = tmp_path / "straight", tmp_path / "resumed"
-    assert main(tiny_run_args(digits, straight, "--epochs", "2", "--fp16")) == 0
-    assert main(tiny_run_args(digits, first, "--epochs", "1", "--fp16")) == 0
-    assert main(tiny_run_args(digits, first, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+def test_fp16_resume_continues_bit_exactly(fp16_digits, fp16_epoch, tmp_path):
+    straight, first = tmp_path / "straight", copy_of(fp16_epoch, tmp_path)
+    assert main(fp16_run_args(fp16_digits, straight, "--epochs", "2")) == 0
+    assert main(fp16_run_args(fp16_digits, first, "--epochs", "2", "--resume", "auto")) == 0
     a, b = last_checkpoint(straight), last_checkpoint(first)
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
@@ -41,19 +55,19 @@ def test_fp16_resume_continues_bit_exactly(digits, tmp_path):
 
 # (autocast float16 on a CPU runs fp16 convolutions at a crawl: the CPU tests use bfloat16)
 @pytest.mark.parametrize("then", [[], ["--amp", "--amp-dtype", "bfloat16"]])
-def test_switching_precision_between_save_and_resume(digits, tmp_path, then):
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16")) == 0
-    saved = last_checkpoint(tmp_path)
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--resume", "auto", *then)) == 0
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+def test_switching_precision_between_save_and_resume(fp16_digits, fp16_epoch, tmp_path, then):
+    run = copy_of(fp16_epoch, tmp_path)
+    saved = last_checkpoint(run)
+    assert main(tiny_run_args(fp16_digits, run, "-b", "8", "--epochs", "2", "--resume", "auto", *then)) == 0
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["epoch"] for r in rows] == [0, 1]
     assert rows[1]["precision"] == (then and ("amp-bf16" if "bfloat16" in then else "amp-fp16") or "fp32")
-    resumed = last_checkpoint(tmp_path)
+    resumed = last_checkpoint(run)
     assert not torch.equal(resumed["state_dict"]["fc.weight"], saved["state_dict"]["fc.weight"])
 
 
-def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(digits, tmp_path, monkeypatch):
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1")) == 0
+def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(fp16_digits, tmp_path, monkeypatch):
+    assert main(tiny_run_args(fp16_digits, tmp_path, "-b", "8", "--epochs", "1")) == 0
     saved = last_checkpoint(tmp_path)["state_dict"]
     seen = {}
     from imagenet import precision as prec_mod
@@ -63,7 +77,7 @@ def test_fp32_checkpoint_resumes_in_fp16_with_exact_masters(digits, tmp_path, mo
         real(self, model, state)
         seen.update({n: m.detach().clone() for n, m in zip(self.names, self.masters)})
     monkeypatch.setattr(prec_mod.MasterWeightPrecision, "load_model_state_dict", spy)
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--fp16", "--resume", "auto")) == 0
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "2", "--resume", "auto")) == 0
     assert seen and all(torch.equal(seen[n], saved[n]) for n in seen)
 
 
@@ -133,8 +147,9 @@ def test_augmentation_recipe_flags_train(digits, tmp_path, pipeline):
 
 @pytest.mark.parametrize("mode,warns", [(["--fp16"], "--fp16"), (["--amp"], "--amp float16"),
                                         (["--amp", "--amp-dtype", "bfloat16"], None)])
-def test_half_precision_on_a_cpu_is_named_as_slow_with_the_bf16_alternative(digits, tmp_path, capsys, mode, warns):
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--prof", "1", *mode)) == 0
+def test_half_precision_on_a_cpu_is_named_as_slow_with_the_bf16_alternative(fp16_digits, tmp_path, capsys, mode,
+                                                                             warns):
+    assert main(tiny_run_args(fp16_digits, tmp_path, "-b", "8", "--epochs", "1", "--prof", "1", *mode)) == 0
     out = capsys.readouterr().out
     if warns:
         assert f"{warns} on a CPU runs about 36x slower than fp32" in out, out

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import digits_fixture
+from tests.helpers import digits_fixture, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,25 @@ def spawn(data, out, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_spawned_workers_preempted_exit_with_the_signal_and_the_resume_line(digits, tmp_path):
-    proc = spawn(digits, tmp_path, "--epochs", "40")
+@pytest.fixture(scope="module")
+def spawned(digits, tmp_path_factory):
+    """Both tests' runs, started at once (each is three processes importing torch, most of its
+    time): name -> (the process, its output folder)."""
+    with scratch(tmp_path_factory, "preempted", "user_error") as (preempted, user_error):
+        runs = {"preempted": (spawn(digits, preempted, "--epochs", "40"), preempted),
+                "user-error": (spawn(digits, user_error, "--epochs", "1", "--resume",
+                                     str(user_error / "missing.pth.tar")), user_error)}
+        try:
+            yield runs
+        finally:
+            for proc, _ in runs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+
+
+def test_spawned_workers_preempted_exit_with_the_signal_and_the_resume_line(spawned):
+    proc, tmp_path = spawned["preempted"]
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -59,8 +76,8 @@ def test_spawned_workers_preempted_exit_with_the_signal_and_the_resume_line(digi
     assert ckpt["step_in_epoch"] > 0 or ckpt["epoch"] > 0
 
 
-def test_spawned_worker_user_error_exits_2_with_one_line(digits, tmp_path):
-    proc = spawn(digits, tmp_path, "--epochs", "1", "--resume", str(tmp_path / "missing.pth.tar"))
+def test_spawned_worker_user_error_exits_2_with_one_line(spawned):
+    proc, _ = spawned["user-error"]
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 2, out
     assert "Traceback" not in out, out

@@ -13,12 +13,12 @@ from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.models.registry import compile_model
 from imagenet.parallel.distributed import free_port
-from tests.helpers import fused_or_skip, last_checkpoint, tiny_run_args
+from tests.helpers import fp16_run_args, fused_or_skip, last_checkpoint, tiny_run_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_path, monkeypatch):
+def test_compiled_training_checkpoints_plain_weights_and_validates(fp16_digits, tmp_path, monkeypatch):
     """The compiled module is only a wrapper: checkpoints hold torchvision's own names, and the
     run validates and resumes as an uncompiled one. (Dynamo traces for real; the 'eager' backend
     skips code generation, which a 2-core CI machine cannot afford. Inductor runs on the GPU
@@ -31,15 +31,14 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(digits, tmp_p
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--fp16", "--compile", "reduce-overhead")) == 0
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "1", "--compile", "reduce-overhead")) == 0
     assert modes == ["reduce-overhead"]
     ckpt = last_checkpoint(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in ckpt["state_dict"])
     torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt["state_dict"])
     row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
-    assert row["val_samples"] == 80
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "2", "--fp16", "--compile", "default",
-                              "--resume", "auto")) == 0
+    assert row["val_samples"] == 10
+    assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "2", "--compile", "default", "--resume", "auto")) == 0
     assert modes == ["reduce-overhead", None]
 
 
@@ -74,18 +73,19 @@ def test_unknown_compile_mode_is_a_flag_error(digits, tmp_path, capsys):
     assert "--compile" in capsys.readouterr().err
 
 
-def test_fused_optimizer_on_the_cpu_trains_like_foreach(digits, tmp_path):
+def test_fused_optimizer_on_the_cpu_trains_like_foreach(fp16_digits, tmp_path):
     """--optimizer-impl fused (the GPU default) through the whole loop, fp16 with skips decided on
     the device, against the host-decided foreach run: same data, same weights to rounding."""
     fused_or_skip([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     runs = {}
     for impl in ("foreach", "fused"):
         out = tmp_path / impl
-        assert main(tiny_run_args(digits, out, "--epochs", "1", "--fp16", "--optimizer-impl", impl)) == 0
+        assert main(fp16_run_args(fp16_digits, out, "--epochs", "1", "--optimizer-impl", impl)) == 0
         runs[impl] = (last_checkpoint(out), json.loads(open(out / "metrics.jsonl").readline()))
     (a, row_a), (b, row_b) = runs["foreach"], runs["fused"]
     assert a["optimizer"]["param_groups"][0]["foreach"] and b["optimizer"]["param_groups"][0]["fused"]
     assert row_a["skipped_steps"] == row_b["skipped_steps"] and row_a["loss_scale"] == row_b["loss_scale"]
+    assert 0 < row_a["skipped_steps"] < row_a["steps"], row_a  # steps skipped and steps taken, both
     for k, v in a["state_dict"].items():
         if v.is_floating_point():
             torch.testing.assert_close(v, b["state_dict"][k], rtol=1e-4, atol=1e-5, msg=k)
@@ -147,6 +147,18 @@ def jpeg_folder(tmp_path_factory):
     return root
 
 
+def bench_main(capsys, *args) -> tuple:
+    """scripts/perf/bench.py's main() in this process, for the checks that end before any work
+    (a bench.py process spends ~5 s importing torch first): (exit status, stderr)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
+    import bench
+    try:
+        code = bench.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 def bench_data(*args):
     return subprocess.run([sys.executable, "scripts/perf/bench.py", "data", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -176,10 +188,10 @@ def test_bench_classic_row_is_plain_torchvision(jpeg_folder):
 
 
 @pytest.mark.parametrize("pipeline", ["classic", "fast"])
-def test_bench_data_names_a_wrong_folder_in_one_line(tmp_path, pipeline):
-    r = bench_data(tmp_path / "nowhere", "--pipelines", pipeline)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith("error: ") and "does not exist" in r.stderr
+def test_bench_data_names_a_wrong_folder_in_one_line(tmp_path, capsys, pipeline):
+    code, err = bench_main(capsys, "data", tmp_path / "nowhere", "--pipelines", pipeline)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: ") and "does not exist" in err
 
 
 def test_bench_data_compares_pipelines_and_can_train_on_every_batch(jpeg_folder):
@@ -200,11 +212,11 @@ def test_bench_data_compares_pipelines_and_can_train_on_every_batch(jpeg_folder)
     assert "profile of 1 batches (fast)" in r.stdout and "convolution" in r.stdout  # the training step's ops
 
 
-def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder):
+def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder, capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    r = bench_data(jpeg_folder, "--pipelines", "gpu")
-    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+    code, err = bench_main(capsys, "data", jpeg_folder, "--pipelines", "gpu")
+    assert code == 2 and "needs a CUDA GPU" in err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -213,10 +225,9 @@ def test_bench_data_refuses_the_gpu_pipeline_without_a_gpu(jpeg_folder):
     (["train", "--arch", "resnet5"], "invalid choice: 'resnet5'"),
     (["data", "DIR", "--pipelines", "fats"], "--pipelines: unknown fats"),
 ])
-def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path):
-    r = subprocess.run([sys.executable, "scripts/perf/bench.py", *[str(tmp_path) if a == "DIR" else a for a in args]],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path, capsys):
+    code, err = bench_main(capsys, *[tmp_path if a == "DIR" else a for a in args])
+    assert code == 2 and message in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, message", [
