@@ -732,8 +732,8 @@ def _train_images(shards: str) -> int:
 
 def phase_shards(args) -> None:
     """Tar shards (scripts/make_shards.py) against the image folder they were made from, --shards-parts:
-    speed: ResNet-50 --fp16 --channels-last end to end from the 30,000-image benchmark folder and
-    from its shards, CPU decode and --decode gpu, --shards-workers workers, each mode's synthetic
+    speed: ResNet-50 --fp16 --channels-last end to end from the benchmark folder (ensure_jpeg) and
+    from its shards, --shards-decode (CPU and/or --decode gpu), --shards-workers workers, each mode's synthetic
     step (main.py --dummy) for reference, one run at a time; accuracy: Fashion-MNIST as shards vs
     the same folder, the fp16 recipe, --shards-seeds. The shard runs use a window scaled to the set
     as main.py's default is to ImageNet's (--shards-window)."""
@@ -743,6 +743,8 @@ def phase_shards(args) -> None:
     modes = args.shards_modes.split(",")
     if set(modes) - {"eager", "cuda-graphs"}:
         fail(f"--shards-modes: {args.shards_modes!r}; choose from eager,cuda-graphs")
+    if not args.shards_decode or set(args.shards_decode.split(",")) - {"cpu", "gpu"}:
+        fail(f"--shards-decode: {args.shards_decode!r}; choose from cpu,gpu")
     if "speed" in parts:
         _shards_speed(args, modes)
     if "accuracy" in parts:
@@ -760,7 +762,7 @@ def _shards_speed(args, modes: list) -> None:
         compiled = "" if mode == "cuda-graphs" else " --compile off"  # the speed defaults compile on a GPU
         runs.append((f"synthetic-main-{mode}", mode, f"timeout {args.e2e_timeout} {PY} main.py --dummy {model} "
                      f"--epochs 3 --dummy-train-size {256 * 60} --dummy-val-size 2560 -p 100 --output-dir OUT{compiled}"))
-        for decode in ("cpu", "gpu"):
+        for decode in args.shards_decode.split(","):
             for source, data, extra in (("folder", JPEG_DIR, ""), ("shards", shards, f" --shuffle-window {window}")):
                 runs.append((f"{source}-{decode}-decode-{mode}", mode,
                              f"timeout {args.e2e_timeout} {PY} main.py {data} {model} -j {args.shards_workers} "
@@ -1042,6 +1044,7 @@ def main() -> int:
                    help="shards: comma list of speed (benchmark folder vs its shards, img/s), accuracy "
                         "(Fashion-MNIST folder vs its shards, Acc@1 over --shards-seeds)")
     p.add_argument("--shards-modes", default="eager", help="shards: step modes of the speed rows, eager,cuda-graphs")
+    p.add_argument("--shards-decode", default="cpu,gpu", help="shards: decoders of the speed rows, cpu,gpu")
     p.add_argument("--shards-workers", type=int, default=15, help="shards: loader workers of the speed rows")
     p.add_argument("--shards-size", default="64MB",
                    help="shards: --shard-size of the benchmark folder's shards (64MB: about 50 shards)")
