@@ -59,6 +59,14 @@ def test_explicit_flags_are_never_overridden():
     assert settings(plan)[::3] == (True, "default")
 
 
+def test_the_last_feature_maps_side_follows_the_stem():
+    from imagenet.training.defaults import last_feature_map
+    sides = {(size, small): last_feature_map(parse_config(["DIR", "--image-size", str(size)] + ["--small-stem"] * small))
+             for size in (8, 9, 16, 28, 32, 33, 56, 224) for small in (0, 1)}
+    assert [sides[s, 0] for s in (8, 9, 16, 28, 32, 33, 56, 224)] == [1, 1, 1, 1, 1, 2, 2, 7]
+    assert [sides[s, 1] for s in (8, 9, 16, 28, 32, 33, 56, 224)] == [1, 2, 2, 4, 4, 5, 7, 28]
+
+
 def test_a_gpu_without_triton_falls_back_with_a_reason():
     plan = plan_of(["DIR", "--fp16"], OLD_GPU)
     assert settings(plan) == (True, "torch", "torch", "off")
@@ -78,6 +86,8 @@ def test_dataparallel_is_not_compiled_and_keeps_torchs_batchnorm():
     (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "off"), "--progressive-resize"),
     (["-e"], (True, "triton", "torch", "off"), "-e "),
     (["--small-stem"], (True, "torch", "triton", "reduce-overhead"), None),
+    (["--image-size", "32"], (True, "triton", "triton", "off"), "1x1 feature maps"),
+    (["--image-size", "8", "--small-stem"], (True, "torch", "triton", "off"), "1x1 feature maps"),
 ])
 def test_each_case_that_cannot_take_the_whole_fast_path(flags, expect, reason):
     plan = plan_of(["DIR", "--fp16", *flags], DDP)
@@ -101,6 +111,8 @@ def test_explicit_kernels_bring_channels_last_along():
     assert plan_of(["DIR", "--maxpool-kernel", "triton"], CPU).channels_last
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="the CPU run's banner; a GPU's is test_the_plain_command_trains_on_the_fast_path_under_ddp's")
 def test_the_banner_prints_every_choice(tmp_path, capsys):
     from imagenet.cli import main
     rc = main(["--dummy", "--dummy-train-size", "8", "--dummy-val-size", "4", "--dummy-classes", "2", "-a", "resnet18",
