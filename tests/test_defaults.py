@@ -59,14 +59,6 @@ def test_explicit_flags_are_never_overridden():
     assert settings(plan)[::3] == (True, "default")
 
 
-def test_the_last_feature_maps_side_follows_the_stem():
-    from imagenet.training.defaults import last_feature_map
-    sides = {(size, small): last_feature_map(parse_config(["DIR", "--image-size", str(size)] + ["--small-stem"] * small))
-             for size in (8, 9, 16, 28, 32, 33, 56, 224) for small in (0, 1)}
-    assert [sides[s, 0] for s in (8, 9, 16, 28, 32, 33, 56, 224)] == [1, 1, 1, 1, 1, 2, 2, 7]
-    assert [sides[s, 1] for s in (8, 9, 16, 28, 32, 33, 56, 224)] == [1, 2, 2, 4, 4, 5, 7, 28]
-
-
 def test_a_gpu_without_triton_falls_back_with_a_reason():
     plan = plan_of(["DIR", "--fp16"], OLD_GPU)
     assert settings(plan) == (True, "torch", "torch", "off")
@@ -86,8 +78,6 @@ def test_dataparallel_is_not_compiled_and_keeps_torchs_batchnorm():
     (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "off"), "--progressive-resize"),
     (["-e"], (True, "triton", "torch", "off"), "-e "),
     (["--small-stem"], (True, "torch", "triton", "reduce-overhead"), None),
-    (["--image-size", "32"], (True, "triton", "triton", "off"), "1x1 feature maps"),
-    (["--image-size", "8", "--small-stem"], (True, "torch", "triton", "off"), "1x1 feature maps"),
 ])
 def test_each_case_that_cannot_take_the_whole_fast_path(flags, expect, reason):
     plan = plan_of(["DIR", "--fp16", *flags], DDP)

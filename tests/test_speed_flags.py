@@ -65,6 +65,27 @@ def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_pat
     assert len(kernels) == 1 and "Inductor tunes its kernels" in kernels[0]  # on a GPU, after the Triton kernels
 
 
+def test_a_batch_of_another_shape_compiles_a_static_graph(monkeypatch):
+    """A shortened batch (unreadable files) or a second run in one process at another batch size
+    compiles a graph of static shapes again, not Dynamo's automatic symbolic-batch graph (which,
+    at 1x1 feature maps on a GPU, failed Inductor's stride check: docs/BENCHMARKS.md, DD2/DD3)."""
+    real, symbolic = torch.compile, []
+
+    def recording_backend(gm, example_inputs):
+        shapes = [n.meta["example_value"].shape for n in gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+        symbolic.append(any(isinstance(d, torch.SymInt) for shape in shapes for d in shape))
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: real(model, backend=recording_backend, **kw))
+    torch._dynamo.reset()
+    model = compile_model(torch.nn.Linear(4, 2), "default", "gpu")
+    for batch in (8, 5, 3):
+        model(torch.randn(batch, 4)).sum().backward()
+    torch._dynamo.reset()
+    assert symbolic == [False, False, False]
+
+
 def test_compile_is_refused_under_data_parallel():
     with pytest.raises(UserError, match="DataParallel.*multiproc"):
         compile_model(torch.nn.Linear(2, 2), "default", "dp")

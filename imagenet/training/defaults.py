@@ -107,15 +107,6 @@ def resolved(cfg: Config, ctx) -> Config:
     return resolve(cfg, Machine.of(ctx)).apply(cfg)
 
 
-def last_feature_map(cfg: Config) -> int:
-    """Side of a ResNet's last feature maps for the training crop: the stem's convolution and
-    max-pool and three stages each halve it (rounding up); ``--small-stem`` keeps only the stages'."""
-    side = cfg.image_size
-    for _ in range(3 if cfg.small_stem else 5):
-        side = (side + 1) // 2
-    return side
-
-
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
     """Why ``--compile auto`` does not compile here (None: it compiles)."""
     if machine.device != "cuda":
@@ -133,9 +124,6 @@ def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
         return "--sync-bn's collectives inside the forward pass run uncompiled"
     if cfg.progressive_resize:
         return "--progressive-resize changes the input shape every few epochs, and each shape would compile again"
-    if last_feature_map(cfg) == 1:
-        return (f"a {cfg.image_size} px crop leaves 1x1 feature maps, where Inductor expects channels_last weight "
-                "gradients that cuDNN returns contiguous (a stride assertion in the compiled backward)")
     return None
 
 
