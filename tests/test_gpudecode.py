@@ -3,6 +3,7 @@ code runs with torchvision's CPU decoder, which proves the geometry against the 
 
 import io
 import os
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from imagenet.base.config import Config, validate
 from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
+from imagenet.data import gpujpeg
 from imagenet.data.folder import SafeImageFolder
 from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
 from imagenet.data.loaders import collate_skipping
@@ -184,3 +186,40 @@ def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
     assert train.decode_counts() == {"gpu": 16, "cpu": 2}
     total = sum(t.numel() for _, t, _ in val)
     assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2}
+
+
+def test_the_decoder_is_found_and_named(monkeypatch):
+    decoder = gpujpeg.find()
+    assert decoder is not None and decoder.name in gpujpeg.BACKENDS
+    monkeypatch.setenv(gpujpeg.ENV, "nonsense")
+    with pytest.raises(UserError, match="names no JPEG decoder"):
+        gpujpeg.find()
+    if gpujpeg.find("torchcodec") is None:
+        with pytest.raises(UserError, match="pip install torchcodec"):
+            gpujpeg.require("torchcodec")
+
+
+def test_a_bad_image_fails_alone_and_nothing_warns(files):
+    """One unreadable image in a batched call: the others still decode. torchvision 0.29 warns
+    on every call of its deprecated decoder; the op behind it is called without the warning."""
+    good = torch.frombuffer(bytearray(open(files["jpeg"][0], "rb").read()), dtype=torch.uint8)
+    garbage = torch.frombuffer(bytearray(b"\xff\xd8garbage" * 8), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = gpujpeg.find().decode([good, garbage, good], CPU)
+    assert out[1] is None and out[0].shape == out[2].shape == (3, 120, 160) and out[0].dtype == torch.uint8
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_the_decoders_agree_on_the_gpu(files):
+    """TorchCodec (where installed) and torchvision's op: one nvJPEG decode, the same pixels."""
+    codec, vision = gpujpeg.find("torchcodec"), gpujpeg.find("torchvision")
+    if codec is None or vision is None:
+        pytest.skip("needs both TorchCodec and torchvision's nvJPEG op")
+    datas = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in files["jpeg"]]
+    a, b = codec.decode(datas, torch.device("cuda")), vision.decode(datas, torch.device("cuda"))
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and (x.int() - y.int()).abs().max() <= 2
