@@ -648,11 +648,11 @@ def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> N
     worker = torch.stack(seeded(make()))
     crops = CropBatch.collate(seeded(TrainCropReader(make()))).to_device(device).cpu()
     gpu_items = seeded(TrainJpegReader(make()))
-    gpu = decode_batch(JpegBatch(gpu_items), device)[0].cpu()
+    gpu = decode_batch(JpegBatch.collate(gpu_items), device)[0].cpu()
     full_pil = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths[:256]]
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
-    full_nv = [img.permute(1, 2, 0).cpu() for img in
-               decode_jpeg([read_file(p) for p in paths[:256]], mode=ImageReadMode.RGB, device=device)]
+    from imagenet.data import gpujpeg
+    full_nv = [img.permute(1, 2, 0).cpu() for img in gpujpeg.require().decode(
+        [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in paths[:256]], device)]
 
     def sharp(x):
         x = x.float()
