@@ -114,7 +114,7 @@ def photo(h: int, w: int, seed: int) -> Image.Image:
 def garbage_job(path: str = "garbage.JPEG"):
     """A --decode gpu job whose header passed the worker's check, then bytes no decoder can read."""
     from imagenet.data.gpudecode import JpegJob
-    return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32)
+    return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32, size=(8, 8))
 
 
 # ------------------------------------------------------------------ tiny training runs and their checkpoints

@@ -244,7 +244,7 @@ def test_nvjpeg_decode_matches_the_cpu_decode_path(tmp_path):
         paths.append(str(tmp_path / f"{i}.JPEG"))
     for reader in (TrainJpegReader(TrainDecoder(224, 0.08, 0.5)), ValJpegReader(ValDecoder(224, 256))):
         torch.manual_seed(0)
-        batch = JpegBatch([reader(p) for p in paths])
+        batch = JpegBatch.collate([reader(p) for p in paths])
         gpu, keep, _, counts = decode_batch(batch, torch.device("cuda"))
         cpu, _, _, _ = decode_batch(batch, torch.device("cpu"))
         assert all(keep) and counts == {"gpu": 3, "cpu": 0}

@@ -1,18 +1,25 @@
 """--decode gpu: workers ship JPEG bytes and crop boxes; the device decodes. On the CPU the same
 code runs with torchvision's CPU decoder, which proves the geometry against the CPU pipeline."""
 
+import builtins
 import io
 import os
+import pickle
+import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+from PIL import Image
 
 from imagenet.base.config import Config, validate
 from imagenet.base.errors import UserError
 from imagenet.cli import main
+from imagenet.data import gpujpeg
 from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
 from imagenet.data.folder import SafeImageFolder
 from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.data.inputaccount import STAGES
 from imagenet.data.loaders import collate_skipping
 from imagenet.data.prefetch import DeviceLoader
 from imagenet.data.transforms import set_output_size
@@ -39,13 +46,20 @@ def files(tmp_path_factory):
     data = io.BytesIO()
     photo(120, 160, 5).save(data, "JPEG")
     bad.write_bytes(data.getvalue()[:200])
-    return {"jpeg": paths, "grey": str(grey), "cmyk": str(cmyk), "png": str(png), "bad": str(bad)}
+    progressive = root / "progressive.JPEG"
+    photo(100, 120, 6).save(progressive, "JPEG", progressive=True)
+    rotated = root / "rotated.JPEG"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # EXIF orientation: turn 90 degrees to show
+    photo(100, 120, 4).save(rotated, "JPEG", exif=exif.tobytes())
+    return {"jpeg": paths, "grey": str(grey), "cmyk": str(cmyk), "png": str(png), "bad": str(bad),
+            "progressive": str(progressive), "rotated": str(rotated)}
 
 
 def decode_one(reader, path, seed=0):
     torch.manual_seed(seed)
     item = reader(path)
-    images, keep, _, counts = decode_batch(JpegBatch([item]), CPU)
+    images, keep, _, counts = decode_batch(JpegBatch.collate([item]), CPU)
     return item, images, keep, counts
 
 
@@ -73,9 +87,80 @@ def test_val_resize_and_center_crop_match_the_cpu_decoder(files):
 
 def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
     reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
-    for path in (files["png"], files["cmyk"]):
+    # progressive: the hardware decoder takes baseline JPEGs only; EXIF-rotated: TorchCodec
+    # would turn it, the CPU path does not
+    for path in (files["png"], files["cmyk"], files["progressive"], files["rotated"]):
         item, images, keep, counts = decode_one(reader, path)
         assert isinstance(item, CpuDecoded) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
+        torch.manual_seed(0)
+        assert torch.equal(images[0], TrainDecoder(32, 0.3, 0.5)(path))  # the CPU path's own image
+
+
+def test_each_file_is_opened_once(files, monkeypatch):
+    opened = []
+    real_open = builtins.open
+
+    def counting(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", counting)
+    for reader in (TrainJpegReader(TrainDecoder(32, 0.3, 0.5)), ValJpegReader(ValDecoder(32, 40))):
+        for path in (files["jpeg"][0], files["png"]):
+            opened.clear()
+            reader(path)
+            assert opened == [path]
+
+
+def test_a_batch_travels_as_one_shared_buffer(files):
+    """Targets, table, fallbacks and the JPEGs' bytes in one tensor: pickled for the trip to the
+    training process it is a file descriptor and a few numbers, not the bytes."""
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    items = [reader(p) for p in files["jpeg"]] + [reader(files["png"])]
+    batch = JpegBatch.collate(items, [3, 1, 4, 1, 5])
+    assert batch.targets.tolist() == [3, 1, 4, 1, 5] and batch.ready_rows == [4]
+    assert batch.data.numel() == sum(os.path.getsize(p) for p in files["jpeg"])
+    for view in (batch.targets, batch.ints, batch.scales, batch.ready, batch.data):
+        assert view.untyped_storage().data_ptr() == batch.blob.untyped_storage().data_ptr()
+    message = ForkingPickler.dumps((batch, batch.targets, []))
+    assert len(message) < 2000 + sum(len(p) for p in batch.paths), len(message)
+    got, targets, _ = pickle.loads(message)
+    assert torch.equal(got.blob, batch.blob) and torch.equal(targets, batch.targets) and got.lengths == batch.lengths
+    assert got.handoff >= 0 and got.worker_seconds == batch.worker_seconds and len(got.worker_seconds) == 4
+
+
+def test_the_decoder_is_found_and_named(monkeypatch):
+    decoder = gpujpeg.find()
+    assert decoder is not None and decoder.name in gpujpeg.BACKENDS
+    monkeypatch.setenv(gpujpeg.ENV, "nonsense")
+    with pytest.raises(UserError, match="names no JPEG decoder"):
+        gpujpeg.find()
+    if gpujpeg.find("torchcodec") is None:
+        with pytest.raises(UserError, match="pip install torchcodec"):
+            gpujpeg.require("torchcodec")
+
+
+def test_an_image_of_another_shape_than_its_header_is_decoded_again_on_the_cpu(files):
+    """A decoder that turned an image (EXIF) would mislead the kernel: the CPU decodes it instead."""
+    turned = gpujpeg.JpegDecoder("turning", lambda datas, device: [torch.zeros(3, 7, 5, dtype=torch.uint8)
+                                                                 for _ in datas], None)
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5, draft=False))
+    torch.manual_seed(3)
+    batch = JpegBatch.collate([reader(files["jpeg"][0])])
+    images, keep, bad, counts = decode_batch(batch, CPU, decoder=turned)
+    want, _, _, _ = decode_batch(batch, CPU)
+    assert counts == {"gpu": 0, "cpu": 1} and keep == [True] and not bad
+    assert (images.int() - want.int()).abs().max() <= 3  # PIL's decode against libjpeg through torchvision
+
+
+def test_a_bad_image_fails_alone_and_nothing_warns(files):
+    """One unreadable image in a batched call: the others still decode. torchvision 0.29 warns
+    on every call of its deprecated decoder; the op behind it is called without the warning."""
+    good = torch.frombuffer(bytearray(open(files["jpeg"][0], "rb").read()), dtype=torch.uint8)
+    garbage = torch.frombuffer(bytearray(b"\xff\xd8garbage" * 8), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = gpujpeg.find().decode([good, garbage, good], CPU)
+    assert out[1] is None and out[0].shape == out[2].shape == (3, 120, 160) and out[0].dtype == torch.uint8
 
 
 
@@ -83,7 +168,7 @@ def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
 def test_an_undecodable_jpeg_is_skipped_and_the_rest_of_the_batch_survives(files):
     reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
     items = [reader(files["jpeg"][0]), garbage_job(), reader(files["jpeg"][1])]
-    images, keep, bad, counts = decode_batch(JpegBatch(items), CPU)
+    images, keep, bad, counts = decode_batch(JpegBatch.collate(items), CPU)
     assert keep == [True, False, True] and bad == ["garbage.JPEG"] and images.shape[0] == 2
     assert counts == {"gpu": 2, "cpu": 0}
 
@@ -126,7 +211,7 @@ def test_same_seed_same_crop_as_the_cpu_pipeline(files, tmp_path):
     for key in [(0, 11), (1, 12), (2, 13)]:
         want, _, _ = cpu[key]
         job, _, _ = gpu[key]
-        got = decode_batch(JpegBatch([job]), CPU)[0][0]
+        got = decode_batch(JpegBatch.collate([job]), CPU)[0][0]
         assert (got.int() - want.int()).abs().float().mean() < 1.0
 
 
@@ -182,5 +267,72 @@ def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
         seen += targets.numel()
     assert shapes == {(3, 32, 32)} and seen == 18 and skipped == []
     assert train.decode_counts() == {"gpu": 16, "cpu": 2}
+    stages = train.stage_account()  # the epoch's account: every stage timed, per batch
+    assert stages["batches"] == 3 and set(stages) == {"batches", *STAGES}
+    assert all(stages[k] > 0 for k in ("read", "parse", "fallback", "collate", "handoff", "busy", "decode",
+                                       "thread_cpu"))
+    assert stages["geometry"] == stages["normalise"] == 0  # GPU times: none on a CPU
+    assert train.stage_account() == {}
     total = sum(t.numel() for _, t, _ in val)
     assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2}
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_on_the_gpu_every_image_arrives_once_with_the_cpu_paths_crop(files, tmp_path):
+    """Worker processes, the background thread, the decoder and the kernel on the GPU: every
+    readable image of the epoch arrives once, the fallbacks are counted, the unreadable file is
+    skipped, and each image is the CPU path's crop and flip for its seed (the CPU decoder's own
+    pixels for the fallbacks; nvJPEG's decode within its bounds for the rest)."""
+    from torch.utils.data import DataLoader
+
+    from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    sources = [(375, 500), (500, 375), (333, 444), (480, 360), (300, 300), (375, 500)]
+    paths = []
+    for k, (h, w) in enumerate(sources):
+        paths.append(str(tmp_path / f"{k}.JPEG"))
+        photo(h, w, 20 + k).save(paths[-1], "JPEG", quality=90)
+    paths += [files["png"], files["cmyk"], files["progressive"], files["rotated"], files["bad"]]
+    root = tmp_path / "train"
+    for k, p in enumerate(paths):  # one class per file: the target names the image
+        (root / f"c{k:02d}").mkdir(parents=True)
+        os.link(p, root / f"c{k:02d}" / "img.JPEG")
+    make = lambda: TrainDecoder(56, 0.3, 0.5, draft=False)  # noqa: E731
+    ds = SafeImageFolder(str(root), TrainJpegReader(make()), loader=path_identity)
+    keys = [(i, 100 + i) for i in (3, 9, 0, 7, 10, 1, 5, 2, 8, 4, 6)]
+    loader = DeviceLoader(DataLoader(ds, batch_size=4, sampler=keys, num_workers=2, collate_fn=collate_skipping,
+                                     pin_memory=True), torch.device("cuda"), True, IMAGENET_MEAN, IMAGENET_STD,
+                          background=True)
+    mean = torch.tensor(IMAGENET_MEAN, device="cuda").view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device="cuda").view(1, 3, 1, 1)
+    seen, skipped = [], []
+    for images, targets, bad in loader:
+        skipped += bad
+        pixels = ((images * std + mean) * 255).cpu()  # NCHW, the uint8 batch again (within float error)
+        for x, t in zip(pixels, targets.tolist()):
+            seen.append(t)
+            torch.default_generator.manual_seed(100 + t)
+            want = make()(ds.samples[t][0]).permute(2, 0, 1).float()
+            diff = (x - want).abs()
+            if t >= len(sources):  # decoded by the worker's CPU decoder: the CPU path's pixels
+                assert diff.max() < 0.01, (t, diff.max())
+            else:
+                assert diff.mean() < 1.0 and diff.max() <= 8.5, (t, diff.mean(), diff.max())
+    assert sorted(seen) == list(range(10)) and skipped == [ds.samples[10][0]]
+    assert loader.decode_counts() == {"gpu": 6, "cpu": 4}
+    stages = loader.stage_account()
+    assert stages["batches"] == 3 and stages["decode"] > 0 and stages["geometry"] > 0 and stages["normalise"] > 0
+
+
+@cuda
+def test_the_decoders_agree_on_the_gpu(files):
+    """TorchCodec (where installed) and torchvision's op: one nvJPEG decode, the same pixels."""
+    codec, vision = gpujpeg.find("torchcodec"), gpujpeg.find("torchvision")
+    if codec is None or vision is None:
+        pytest.skip("needs both TorchCodec and torchvision's nvJPEG op")
+    datas = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in files["jpeg"]]
+    a, b = codec.decode(datas, torch.device("cuda")), vision.decode(datas, torch.device("cuda"))
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and (x.int() - y.int()).abs().max() <= 2

@@ -42,12 +42,26 @@ def cases(seed: int, n: int, size: int, device: str):
 def compare(seed=0, n=9, size=20, device="cpu") -> dict:
     """Batched kernel vs per-image path on the same rows (one already-decoded 'ready' row too)."""
     from imagenet.data.gpudecode import _batched, _per_image
+    from imagenet.kernels import gpugeometry as G
     full = cases(seed, n, size, device)
-    ready = [(n, torch.randint(0, 256, (size, size, 3), dtype=torch.uint8))]
-    a, b = _batched(full, ready, torch.device(device)), _per_image(full, ready, torch.device(device))
+    samplings = [G.Sampling.train(job.box, job.out) if job.kind == "train"
+                 else G.Sampling.val(img.shape[1], img.shape[2], job.box) for _, img, job in full]
+    ints, scales = G.table([img.shape[1:] for _, img, _ in full], samplings, [job.flip for *_, job in full],
+                           [row for row, _, _ in full])
+    # laid out backwards in one buffer: the first image (the kernel's base) lies above the others,
+    # whose addresses the table holds relative to it, negative
+    buffer = torch.empty(sum(img.numel() for _, img, _ in full), dtype=torch.uint8, device=device)
+    images, end = [], buffer.numel()
+    for _, img, _ in full:
+        end -= img.numel()
+        images.append(buffer[end:end + img.numel()].view(img.shape).copy_(img))
+    ready = torch.randint(0, 256, (1, size, size, 3), dtype=torch.uint8)
+    a = _batched(images, ints.clone(), scales, ready, [n], size, torch.device(device))
+    b = _per_image(images, ints, scales, ready, [n], size, torch.device(device))
     assert a.shape == b.shape == (n + 1, size, size, 3) and a.dtype == b.dtype == torch.uint8
     diff = (a.int() - b.int()).abs()
-    return {"max": int(diff.max()), "frac_off": float((diff > 0).float().mean()), "ready_equal": torch.equal(a[n], b[n])}
+    return {"max": int(diff.max()), "frac_off": float((diff > 0).float().mean()),
+            "ready_equal": torch.equal(a[n], b[n])}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the compiled kernel is tested instead")
@@ -111,12 +125,12 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
             torch.manual_seed(k)
             wants.append(make()(path))
         items.insert(2, garbage_job())
-        images, keep, bad, counts = decode_batch(JpegBatch(items), torch.device("cuda"))
+        images, keep, bad, counts = decode_batch(JpegBatch.collate(items), torch.device("cuda"))
         assert keep == [True, True, False] + [True] * 5 and bad == ["garbage.JPEG"]
         assert counts == {"gpu": 5, "cpu": 2} and images.shape == (7, size, size, 3)
         with monkeypatch.context() as m:
             m.setattr(gpugeometry, "available", lambda device: False)
-            per_image = decode_batch(JpegBatch(items), torch.device("cuda"))[0]
+            per_image = decode_batch(JpegBatch.collate(items), torch.device("cuda"))[0]
         assert (images.int() - per_image.int()).abs().max() <= 1
         for k, (got, want) in enumerate(zip(images.cpu(), wants)):
             diff = (got.int() - want.int()).abs()

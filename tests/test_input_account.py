@@ -86,6 +86,23 @@ def test_the_account_sums_per_batch_and_resets():
                                 "busy 80% (20.0 ms/batch), waiting for workers 20%, waiting for room 0% (4 batches)")
 
 
+def test_the_line_names_the_parts_it_timed():
+    """i28's finer stages (the collate, the hand-off, the decoder call, the thread's CPU, the GPU's
+    kernels, the training thread's wait) join the line where they were timed."""
+    line = describe(stages(read=5, parse=30, collate=2, starved=1, handoff=0.4, busy=44, decode=30, decode_cpu=3,
+                           thread_cpu=12, ahead=0.5, geometry=1.25, normalise=0.5, train_wait=0.2), 15)
+    assert line == ("workers read 5.0 ms/batch, parse headers and draw crops 30.0 ms/batch, decode fallbacks 0.0 "
+                    "ms/batch, collate 2.0 ms/batch (one worker's time for a batch; 15 workers); decode thread busy "
+                    "97% (44.0 ms/batch: decoder call 30.0 ms, 3.0 of it on the CPU), waiting for workers 2% "
+                    "(hand-off 0.4 ms/batch), waiting for room 1%, CPU 12.0 ms/batch; on the GPU: geometry 1.25 "
+                    "ms/batch, normalise 0.50 ms/batch; training thread waited 0.2 ms/batch (50 batches)")
+    line = hint(stages(read=5, parse=30, starved=1, busy=44, decode=30, ahead=0.5), workers=15)
+    assert line.startswith("the GPU decoding stage was the limit: its thread was busy 44 ms a batch (the decoder "
+                           "call 30 ms of it, launching the kernels the rest)")
+    assert hint(stages(read=5, parse=30, starved=1, busy=9, ahead=25, geometry=1.5, normalise=0.5)).endswith(
+        "so the loop waited for the decode's kernels on the GPU (2.0 ms a batch of GPU time)")
+
+
 @pytest.fixture(scope="module")
 def jpeg_and_png(tmp_path_factory):
     root = tmp_path_factory.mktemp("account")
@@ -102,7 +119,8 @@ def test_workers_time_their_reads_and_the_rest_and_the_batch_carries_the_sums(jp
     val = ValJpegReader(ValDecoder(32, 40))(jpeg)
     assert val.read_s > 0 and val.parse_s > 0
     batch = JpegBatch.collate([job, fallback])
-    assert batch.worker_seconds == pytest.approx((job.read_s + fallback.read_s, job.parse_s, fallback.decode_s))
+    assert batch.worker_seconds[:3] == pytest.approx((job.read_s + fallback.read_s, job.parse_s, fallback.decode_s))
+    assert batch.worker_seconds[3] > 0  # laying the batch in its shared buffer
     # a tar shard's sample was read by the dataset: its pread's time comes with it
     data, read_s = _read_bytes(SampleBytes(b"\xff\xd8bytes", "train-000000.tar@512", read_s=0.25))
     assert data == b"\xff\xd8bytes" and read_s >= 0.25
@@ -115,7 +133,9 @@ def test_the_decode_thread_accounts_its_waits_and_its_work(jpeg_and_png):
     loader = DeviceLoader(batches, torch.device("cpu"), False, (0.5,) * 3, (0.25,) * 3, background=True)
     assert sum(len(t) for _, t, _ in loader) == 6
     got = loader.stage_account()
-    assert got["batches"] == 3 and got["busy"] > 0
+    assert got["batches"] == 3 and got["busy"] > 0 and got["collate"] > 0
+    assert 0 < got["decode"] <= got["busy"] and got["thread_cpu"] > 0
+    assert got["geometry"] == got["normalise"] == 0  # GPU stages: none on a CPU
     assert got["read"] == pytest.approx(1000 * batch.worker_seconds[0], abs=1e-3)  # rounded to a microsecond
     assert loader.stage_account() == {}
 

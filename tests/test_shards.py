@@ -27,7 +27,7 @@ from imagenet.cli import main
 from imagenet.data import shardwriter
 from imagenet.data.decode import TrainDecoder, path_identity
 from imagenet.data.folder import SafeImageFolder
-from imagenet.data.gpudecode import CpuDecoded, JpegJob, TrainJpegReader
+from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, decode_batch
 from imagenet.data.loaders import build_datasets, build_loaders
 from imagenet.data.remote import local_copy
 from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
@@ -336,6 +336,11 @@ def test_the_gpu_decoders_worker_side_takes_a_sample_as_it_takes_a_file(tmp_path
     png = tmp_path / "photo.png"
     photo(40, 56, seed=1).save(png)
     assert isinstance(reader(SampleBytes(png.read_bytes(), "x")), CpuDecoded)  # decoded in the worker, as a file
+    # collated into the batch's shared buffer and decoded as the file's job is, named as the sample
+    batch = JpegBatch.collate([from_sample], [3])
+    assert batch.paths == ["train-000001.tar@512"] and batch.targets.tolist() == [3]
+    assert torch.equal(decode_batch(batch, torch.device("cpu")).images,
+                       decode_batch(JpegBatch.collate([from_file]), torch.device("cpu")).images)
 
 
 def test_a_shard_cut_short_after_start_up_is_a_counted_skip(shards, tmp_path):

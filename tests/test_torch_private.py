@@ -104,3 +104,12 @@ def test_inductor_tune_kernels_turns_on_coordinate_descent_tuning():
         assert inductor.coordinate_descent_tuning is True
     finally:
         inductor.coordinate_descent_tuning = before
+
+
+def test_shared_bytes_is_a_writable_shared_memory_tensor():
+    assert hasattr(torch.UntypedStorage, "_new_shared"), "torch.UntypedStorage._new_shared is gone"
+    x = tp.shared_bytes(10)
+    assert x.is_shared() and x.dtype == torch.uint8 and x.shape == (10,), \
+        "torch.UntypedStorage._new_shared no longer makes a shared storage of n bytes"
+    x.fill_(7)
+    assert x.sum() == 70

@@ -14,6 +14,7 @@ names the attribute that moved.
   ``step()`` reads (the fused kernels skip an overflowing step on the device).
 * :func:`set_last_lr` -- ``LRScheduler._last_lr``, what ``get_last_lr()`` answers.
 * :func:`inductor_tune_kernels` -- ``torch._inductor.config.coordinate_descent_tuning``.
+* :func:`shared_bytes` -- ``torch.UntypedStorage._new_shared``, a tensor made in shared memory.
 """
 
 from __future__ import annotations
@@ -75,3 +76,10 @@ def inductor_tune_kernels() -> None:
     warps by coordinate descent around its heuristic's choice, timed on the first calls."""
     import torch._inductor.config as inductor
     inductor.coordinate_descent_tuning = True
+
+
+def shared_bytes(n: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``n`` bytes in shared memory, to be filled in place: a
+    worker's batch crosses to the training process by file descriptor, not copied.
+    ``tensor.share_memory_()`` would copy the (uninitialised) bytes in once more."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))

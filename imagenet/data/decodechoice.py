@@ -2,7 +2,7 @@
 
 :func:`choose` is a pure function of the recipe (the flags that need pixels in the workers, the
 worker count) and the machine's facts (a CUDA device or not, CPU cores per GPU, GPUs one process
-feeds, a GPU JPEG decoder in this torchvision), so its table is tested without either. The
+feeds, a GPU JPEG decoder here), so its table is tested without either. The
 training layer's speed defaults (:mod:`imagenet.training.defaults`) gather the facts once and
 call it; it returns the choice with its reason and the flag that changes it, for the banner.
 
@@ -18,6 +18,8 @@ measured where between them the two paths cross.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from . import gpujpeg
 
 CPU_DECODE_CORES = 12  # workers decoding for one GPU from which CPU decoding keeps up (15 did, 6 did not)
 _MEASURED = f"15 kept up with an H200, 6 did not; auto draws the line at {CPU_DECODE_CORES}"
@@ -39,16 +41,10 @@ class DecodeChoice:
 
 
 def gpu_decoder_available() -> bool:
-    """Whether this torchvision decodes JPEGs on CUDA devices: a CUDA build with the nvJPEG op
-    behind ``torchvision.io.decode_jpeg(device='cuda')`` (CPU builds register the op too, and
-    refuse to run it)."""
-    try:
-        import torch
-        import torchvision
-        import torchvision.io.image  # noqa: F401  (registers the image ops)
-        return torchvision.version.cuda is not None and hasattr(torch.ops.image, "decode_jpegs_cuda")
-    except (ImportError, AttributeError, RuntimeError):
-        return False
+    """Whether a JPEG decoder here decodes on CUDA devices (:mod:`imagenet.data.gpujpeg`:
+    TorchCodec, or a CUDA build of torchvision with its nvJPEG op; CPU builds register the op
+    too, and refuse to run it)."""
+    return gpujpeg.gpu_capable(gpujpeg.find())
 
 
 def _plural(n: int, word: str) -> str:
@@ -74,8 +70,8 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     if not cuda:
         return DecodeChoice("cpu", "no CUDA GPU here", "--decode cpu says the same")
     if not gpu_decoder:
-        return DecodeChoice("cpu", "this torchvision has no GPU JPEG decoder (nvJPEG comes with its CUDA builds)",
-                            "a CUDA build of torchvision, then --decode gpu")
+        return DecodeChoice("cpu", "no GPU JPEG decoder here (TorchCodec, or nvJPEG in torchvision's CUDA builds)",
+                            "pip install torchcodec, then --decode gpu")
     decoding = min(cfg.workers // max(gpus_per_process, 1), cpus_per_gpu)
     share = f"{_plural(cfg.workers, 'worker')}, {_plural(cpus_per_gpu, 'CPU core')} per GPU"
     if decoding >= CPU_DECODE_CORES:

@@ -3,49 +3,62 @@
 Workers do what needs no pixels: read the file once (a tar shard's sample comes already read),
 parse its header from those bytes, draw the RandomResizedCrop box and the flip from the
 per-sample seeded RNG exactly as the CPU path does (so ``--seed`` gives the same crops either
-way), and ship the compressed bytes (a tenth of the decoded size), with the seconds each of
-those took (:mod:`imagenet.data.inputaccount` sums them per epoch).
-On the device, one batched nvJPEG call (``torchvision.io.decode_jpeg(device='cuda')``) decodes
-the batch, and one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear
-interpolation (PIL's filter, so the pixels match the CPU path within rounding) and flips every
-image of it; without Triton, torch's resize does it image by image.
+way), with the seconds each of those took (:mod:`imagenet.data.inputaccount` sums them per
+epoch). The worker's collate function lays the batch's targets, the geometry kernel's table and
+the compressed bytes in one shared-memory buffer, so a batch crosses to the training process as
+one file descriptor (no copy) instead of a list of bytes objects pickled through a pipe.
 
-Fallbacks, counted per epoch in metrics.jsonl: files that are not baseline RGB/greyscale JPEGs
-(PNG, CMYK JPEG, ...) are decoded on the CPU in the worker as before; a JPEG that the GPU
-decoder rejects is decoded on the CPU in the main process; a file neither can read is skipped
-like any unreadable image.
+On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvJPEG
+through TorchCodec or torchvision) decodes the batch, and one kernel
+(:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear interpolation
+(PIL's filter, so the pixels match the CPU path within rounding) and flips every image of it,
+reading each decoded image where the decoder left it (the table holds each one's address
+relative to the first: no copy into one buffer); without Triton, torch's resize does it image
+by image.
+
+Fallbacks, counted per epoch in metrics.jsonl: files the GPU decoders do not take as they are
+(not JPEG, not RGB or greyscale, progressive -- the hardware decoder takes baseline JPEGs only,
+the rest one at a time with a host wait each -- or EXIF-rotated, which TorchCodec would turn and
+the CPU path does not) are decoded on the CPU in the worker; a JPEG that the GPU decoder rejects
+is decoded on the CPU in the training process; a file neither can read is skipped like any
+unreadable image.
 """
 
 from __future__ import annotations
 
 import io
 import time
-import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torch.utils.data import get_worker_info
 
+from ..base.torch_private import shared_bytes
 from ..kernels import gpugeometry
+from . import gpujpeg
 from .decode import TrainDecoderReader, _rgb, _to_tensor
+from .inputaccount import InputAccount
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
+_ORIENTATION = 0x0112  # the EXIF tag
 
 
 @dataclass
 class JpegJob:
-    """One image to decode on the device: compressed bytes and what to do with the pixels."""
+    """One image to decode on the device (worker side; collated into a :class:`JpegBatch`)."""
 
-    data: bytes  # the file (plain bytes travel between processes faster than one tensor each)
-    path: str
+    data: bytes  # the file
+    path: str  # or a tar shard's sample's name: for the report of unreadable images
     # train: (top, left, height, width) crop in full-resolution pixels, then resize to out x out;
     # val: resize to (height, width) first, then crop out x out at (top, left).
     kind: str
     box: tuple
     out: int
     flip: bool = False
+    size: tuple = (0, 0)  # (height, width), from the header
     read_s: float = 0.0  # seconds the worker spent reading the file
     parse_s: float = 0.0  # and parsing its header and drawing the crop
 
@@ -57,25 +70,6 @@ class CpuDecoded:
     image: torch.Tensor
     read_s: float = 0.0  # seconds the worker spent reading the file
     decode_s: float = 0.0  # and decoding it
-
-
-@dataclass
-class JpegBatch:
-    """A collated batch mixing device jobs and images the worker already decoded (fallbacks)."""
-
-    items: list  # JpegJob or CpuDecoded, in batch order
-    worker_seconds: tuple = ()  # the worker's (read, parse, fallback) seconds over the batch
-
-    @staticmethod
-    def collate(items: list) -> "JpegBatch":
-        """Runs in the worker: the batch, with its worker's time per stage summed."""
-        jobs = [it for it in items if isinstance(it, JpegJob)]
-        fallbacks = [it for it in items if isinstance(it, CpuDecoded)]
-        return JpegBatch(items, (sum(it.read_s for it in items), sum(job.parse_s for job in jobs),
-                                 sum(f.decode_s for f in fallbacks)))
-
-    def pin_memory(self, device=None):  # the DataLoader's pin-memory thread: bytes stay pageable
-        return self
 
 
 def _read_bytes(src) -> tuple:
@@ -94,19 +88,34 @@ def _name(src) -> str:
     return getattr(src, "name", src)  # a shard's sample is named for the report
 
 
-class TrainJpegReader(TrainDecoderReader):
-    """Worker side of the training transform: path -> JpegJob, or the CPU decoder's image (the
-    same crop distribution, the same RNG draws)."""
+def _gpu_decodable(img: Image.Image) -> bool:
+    """A baseline RGB or greyscale JPEG without an EXIF rotation: what every GPU decoder turns
+    into the CPU path's pixels in one batched call."""
+    if img.format != "JPEG" or img.mode not in _JPEG_MODES or img.info.get("progressive"):
+        return False
+    if "exif" not in img.info:
+        return True
+    try:
+        return img.getexif().get(_ORIENTATION, 1) in (0, 1)
+    except Exception:  # EXIF PIL cannot read: a decoder might still turn the image by it
+        return False
 
-    def __call__(self, path: str):
+
+class TrainJpegReader(TrainDecoderReader):
+    """Worker side of the training transform: path (or a shard's sample) -> JpegJob, or the CPU
+    decoder's image (the same crop distribution, the same RNG draws)."""
+
+    def __call__(self, path):
         data, read_s = _read_bytes(path)
         start = time.perf_counter()
         with Image.open(io.BytesIO(data)) as img:
-            if img.format != "JPEG" or img.mode not in _JPEG_MODES:  # decoded here: counted as a fallback
+            if not _gpu_decodable(img):  # decoded here from the same bytes: counted as a fallback
                 image = self.cpu.decode(img, *self.cpu.draw(img))  # what self.cpu(path) does
                 return CpuDecoded(image, read_s, time.perf_counter() - start)
             box, flip = self.cpu.draw(img)
-        return JpegJob(data, _name(path), "train", box, self.cpu.size, flip, read_s, time.perf_counter() - start)
+            width, height = img.size
+        return JpegJob(data, _name(path), "train", box, self.cpu.size, flip, (height, width), read_s,
+                       time.perf_counter() - start)
 
 
 class ValJpegReader:
@@ -115,16 +124,111 @@ class ValJpegReader:
     def __init__(self, cpu_decoder):
         self.cpu = cpu_decoder  # a decode.ValDecoder
 
-    def __call__(self, path: str):
+    def __call__(self, path):
         data, read_s = _read_bytes(path)
         start = time.perf_counter()
         with Image.open(io.BytesIO(data)) as img:
-            if img.format != "JPEG" or img.mode not in _JPEG_MODES:
+            if not _gpu_decodable(img):
                 image = self.cpu.decode(img)  # what self.cpu(path) does
                 return CpuDecoded(image, read_s, time.perf_counter() - start)
-            new_w, new_h, top, left = self.cpu.geometry(*img.size)
-        return JpegJob(data, _name(path), "val", (top, left, new_h, new_w), self.cpu.size, read_s=read_s,
-                       parse_s=time.perf_counter() - start)
+            width, height = img.size
+            new_w, new_h, top, left = self.cpu.geometry(width, height)
+        return JpegJob(data, _name(path), "val", (top, left, new_h, new_w), self.cpu.size, size=(height, width),
+                       read_s=read_s, parse_s=time.perf_counter() - start)
+
+
+class _Clock:
+    """Unpickles as the time it was unpickled: put first among a batch's fields, it starts the
+    clock on the batch's own unpickling."""
+
+    def __reduce__(self):
+        return time.perf_counter, ()
+
+
+def _unpickled(started: float, *fields) -> "JpegBatch":
+    batch = JpegBatch(*fields)
+    batch.handoff = time.perf_counter() - started
+    return batch
+
+
+def _sections(jobs: int, fallbacks: int, size: int) -> tuple:
+    """Byte offsets in a batch's blob where the targets end, the table ends, its scales end,
+    the fallbacks' pixels start and end (the JPEGs' bytes follow); each aligned for its type."""
+    targets_end = (jobs + fallbacks) * 8
+    ints_end = targets_end + jobs * gpugeometry.COLUMNS * 8
+    scales_end = ints_end + jobs * 2 * 4
+    ready_start = -(-scales_end // 8) * 8
+    return targets_end, ints_end, scales_end, ready_start, ready_start + fallbacks * size * size * 3
+
+
+@dataclass(eq=False)
+class JpegBatch:
+    """A collated batch in one buffer (one file descriptor to the training process, where each
+    further tensor costs a round trip to the worker): the targets, the geometry kernel's table
+    for the JPEGs, its scales, the images the workers decoded themselves (fallbacks) and the
+    JPEGs' bytes end to end. Rows (the table's ``ROW`` column, ``ready_rows``) are places in
+    the batch, the targets' order. ``targets``, ``ints``, ``scales``, ``ready`` and ``data``
+    view the blob."""
+
+    blob: torch.Tensor  # uint8
+    lengths: list  # bytes of each JPEG
+    ready_rows: list  # places of the fallbacks
+    size: int  # output pixels a side
+    paths: list  # of the JPEGs, for the report of unreadable ones
+    worker_seconds: tuple = ()  # the workers' (read, parse, fallback, collate) over the batch
+    handoff: float = 0.0  # seconds unpickling it in the training process (set on arrival)
+
+    def __post_init__(self):
+        jobs, n = len(self.lengths), len(self.ready_rows)
+        targets_end, ints_end, scales_end, ready_start, ready_end = _sections(jobs, n, self.size)
+        self.targets = self.blob[:targets_end].view(torch.int64)
+        self.ints = self.blob[targets_end:ints_end].view(torch.int64).view(jobs, gpugeometry.COLUMNS)
+        self.scales = self.blob[ints_end:scales_end].view(torch.float32).view(jobs, 2)
+        self.ready = self.blob[ready_start:ready_end].view(n, self.size, self.size, 3)
+        self.data = self.blob[ready_end:]
+
+    def __len__(self) -> int:
+        return len(self.lengths) + len(self.ready_rows)
+
+    def pin_memory(self, device=None) -> "JpegBatch":
+        """The DataLoader's pin-memory thread leaves it as it is: the decoder reads the bytes on
+        the host, and the table is pinned where it is used (a copy, its addresses filled in)."""
+        return self
+
+    def __reduce__(self):
+        return _unpickled, (_Clock(), self.blob, self.lengths, self.ready_rows, self.size, self.paths,
+                            self.worker_seconds)
+
+    @staticmethod
+    def collate(items: list, targets: Optional[list] = None) -> "JpegBatch":
+        """Runs in the worker: ``items`` (JpegJob or CpuDecoded, in batch order) and their
+        ``targets`` (class indices; default 0) -> one batch whose blob is made in shared memory
+        (not copied again on its way to the training process)."""
+        start = time.perf_counter()
+        jobs = [(row, it) for row, it in enumerate(items) if isinstance(it, JpegJob)]
+        fallbacks = [(row, it) for row, it in enumerate(items) if isinstance(it, CpuDecoded)]
+        lengths = [len(job.data) for _, job in jobs]
+        size = jobs[0][1].out if jobs else fallbacks[0][1].image.shape[0]
+        total = _sections(len(jobs), len(fallbacks), size)[-1] + sum(lengths)
+        blob = shared_bytes(total) if get_worker_info() is not None else torch.empty(total, dtype=torch.uint8)
+        batch = JpegBatch(blob, lengths, [row for row, _ in fallbacks], size, [job.path for _, job in jobs])
+        samplings = [gpugeometry.Sampling.train(job.box, job.out) if job.kind == "train"
+                     else gpugeometry.Sampling.val(*job.size, job.box) for _, job in jobs]
+        ints, scales = gpugeometry.table([job.size for _, job in jobs], samplings, [job.flip for _, job in jobs],
+                                         [row for row, _ in jobs])
+        batch.targets.copy_(torch.tensor(targets if targets is not None else [0] * len(items), dtype=torch.int64))
+        batch.ints.copy_(ints)
+        batch.scales.copy_(scales)
+        if fallbacks:
+            torch.stack([f.image for _, f in fallbacks], out=batch.ready)
+        buffer, offset = memoryview(batch.data.numpy()), 0
+        for n, (_, job) in zip(lengths, jobs):
+            buffer[offset:offset + n] = job.data
+            offset += n
+        read = sum(job.read_s for _, job in jobs) + sum(f.read_s for _, f in fallbacks)
+        batch.worker_seconds = (read, sum(job.parse_s for _, job in jobs), sum(f.decode_s for _, f in fallbacks),
+                                time.perf_counter() - start)
+        return batch
 
 
 def _resized(img: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -134,15 +238,6 @@ def _resized(img: torch.Tensor, height: int, width: int) -> torch.Tensor:
     if img.shape[-2:] != (height, width):
         x = F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return x[0]
-
-
-def _geometry(job: JpegJob, img: torch.Tensor) -> torch.Tensor:
-    """Crop/resize a decoded CHW uint8 image as the job says: float CHW, unrounded, unflipped."""
-    if job.kind == "train":
-        top, left, height, width = job.box
-        return _resized(img[:, top:top + height, left:left + width], job.out, job.out)
-    top, left, new_h, new_w = job.box
-    return _resized(img, new_h, new_w)[:, top:top + job.out, left:left + job.out]
 
 
 def _finish(images: list, flips: list, device: torch.device) -> torch.Tensor:
@@ -156,97 +251,106 @@ def _finish(images: list, flips: list, device: torch.device) -> torch.Tensor:
     return x.to(torch.uint8, memory_format=torch.channels_last).permute(0, 2, 3, 1)
 
 
-def _cpu_decode(job: JpegJob) -> Optional[torch.Tensor]:
+def _cpu_decode(data: torch.Tensor) -> Optional[torch.Tensor]:
+    """A JPEG the device decoder refused, decoded by PIL: contiguous CHW uint8, or None."""
     try:
-        with Image.open(io.BytesIO(job.data)) as img:
-            return _to_tensor(_rgb(img)).permute(2, 0, 1)
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+            return _to_tensor(_rgb(img)).permute(2, 0, 1).contiguous()
     except Exception:
         return None
 
 
-def decode_batch(batch: JpegBatch, device: torch.device) -> tuple:
-    """Decode a JpegBatch on ``device``.
+class Decoded(NamedTuple):
+    """What :func:`decode_batch` made of a batch."""
 
-    Returns ``(images, keep, bad_paths, counts)``: uint8 NHWC images of the readable items,
-    a bool list over ``batch.items`` saying which made it, the paths of the unreadable ones,
-    and ``{"gpu": n, "cpu": m}`` (images decoded on the device / fallbacks on a CPU).
-    """
-    from torchvision.io import ImageReadMode, decode_jpeg
+    images: torch.Tensor  # uint8 NHWC of the readable items, in batch order
+    keep: list  # bool per item of the batch: whether it made it
+    bad: list  # paths of the unreadable ones
+    counts: dict  # {"gpu": decoded on the device, "cpu": fallbacks decoded on a CPU}
 
-    jobs = [(i, it) for i, it in enumerate(batch.items) if isinstance(it, JpegJob)]
-    decoded: dict = {}
-    if jobs:
-        with warnings.catch_warnings():
-            # decode_jpeg only reads the bytes: view them without a copy (torch warns that
-            # a bytes object is not writable)
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            datas = [torch.frombuffer(job.data, dtype=torch.uint8) for _, job in jobs]
-        try:
-            # torchvision's batched decode sends the baseline JPEGs of a list to nvJPEG's hardware backend
-            # where the GPU has JPEG engines (A100 and later), the rest one by one to its hybrid
-            # software path, on a stream of its own that it synchronises before returning: this
-            # thread waits for the batch's decode, the training stream does not.
-            images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:  # one bad file fails the batched call: decode one by one
-            images = []
-            for data in datas:
-                try:
-                    images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-                except RuntimeError:
-                    images.append(None)
-        for (i, job), img in zip(jobs, images):
-            decoded[i] = img
-    keep, bad = [], []
-    counts = {"gpu": 0, "cpu": 0}
-    full, ready = [], []  # (output row, CHW image, job) to crop and resize; (row, HWC image) done by a worker
-    for i, item in enumerate(batch.items):
-        if isinstance(item, CpuDecoded):  # the worker decoded it (not a plain JPEG), HWC uint8
-            ready.append((len(full) + len(ready), item.image))
-            keep.append(True)
-            counts["cpu"] += 1
-            continue
-        img = decoded.get(i)
+
+def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujpeg.JpegDecoder] = None,
+                 account: Optional[InputAccount] = None) -> Decoded:
+    """Decode a JpegBatch on ``device`` with ``decoder`` (default: :func:`gpujpeg.require`);
+    ``account``: where the decoder call's and the kernel's time go."""
+    decoder = decoder or gpujpeg.require()
+    account = account or InputAccount()
+    views = list(batch.data.split(batch.lengths)) if batch.lengths else []
+    t0, c0 = time.perf_counter(), time.thread_time()
+    images = decoder.decode(views, device)
+    account.add("decode", time.perf_counter() - t0)
+    account.add("decode_cpu", time.thread_time() - c0)
+    counts = {"gpu": len(images), "cpu": len(batch.ready_rows)}
+    # the kernel reads each image as the header said, in CHW planes: an image of another shape (a
+    # decoder that turned it after all) is decoded again on the CPU, as a refused one is
+    sizes = batch.ints[:, gpugeometry.HEIGHT:gpugeometry.WIDTH + 1].tolist()
+    for k, (img, size) in enumerate(zip(images, sizes)):
+        if img is not None and list(img.shape) != [3, *size]:
+            images[k] = None
+        elif img is not None and not img.is_contiguous():  # libjpeg's HWC, seen as CHW (a CPU device)
+            images[k] = img.contiguous()
+    bad_jobs = []
+    for k in [k for k, img in enumerate(images) if img is None]:  # nvJPEG refused it (an odd JPEG)
+        counts["gpu"] -= 1
+        img = _cpu_decode(views[k])
         if img is None:
-            img = _cpu_decode(item)  # nvJPEG refused it (e.g. a progressive or odd JPEG)
-            if img is None:
-                bad.append(item.path)
-                keep.append(False)
-                continue
-            img = img.to(device)
-            counts["cpu"] += 1
+            bad_jobs.append(k)
         else:
-            counts["gpu"] += 1
-        full.append((len(full) + len(ready), img, item))
-        keep.append(True)
-    if not full and not ready:
-        return torch.empty(0, dtype=torch.uint8, device=device), keep, bad, counts
-    if gpugeometry.available(device):
-        images = _batched(full, ready, device)
-    else:
-        images = _per_image(full, ready, device)
-    return images, keep, bad, counts
+            images[k] = img.to(device)
+            counts["cpu"] += 1
+    ints, scales, ready_rows = batch.ints, batch.scales, batch.ready_rows
+    keep = [True] * len(batch)
+    if bad_jobs:
+        for k in bad_jobs:
+            keep[int(ints[k, gpugeometry.ROW])] = False
+        alive = torch.tensor([k not in bad_jobs for k in range(len(images))])
+        images = [img for img in images if img is not None]
+        row_of = torch.tensor(keep).cumsum(0) - 1  # a place in the batch -> its row among the kept
+        ints, scales = ints[alive], scales[alive]  # copies: the batch's own table stays as it came
+        ints[:, gpugeometry.ROW] = row_of[ints[:, gpugeometry.ROW]]
+        ready_rows = row_of[torch.tensor(ready_rows, dtype=torch.long)].tolist()
+    rows = len(images) + len(ready_rows)
+    bad = [batch.paths[k] for k in bad_jobs]
+    if not rows:
+        return Decoded(torch.empty(0, dtype=torch.uint8, device=device), keep, bad, counts)
+    with account.gpu("geometry"):
+        if gpugeometry.available(device):
+            out = _batched(images, ints, scales, batch.ready, ready_rows, batch.size, device)
+        else:
+            out = _per_image(images, ints, scales, batch.ready, ready_rows, batch.size, device)
+    return Decoded(out, keep, bad, counts)
 
 
-def _batched(full: list, ready: list, device: torch.device) -> torch.Tensor:
-    """uint8 NHWC batch: every crop/resize/flip in one kernel (see :mod:`imagenet.kernels.gpugeometry`)."""
-    size = (full[0][2].out if full else ready[0][1].shape[0])
-    out = torch.empty((len(full) + len(ready), size, size, 3), dtype=torch.uint8, device=device)
-    samplings = [gpugeometry.Sampling.train(job.box, job.out) if job.kind == "train"
-                 else gpugeometry.Sampling.val(img.shape[1], img.shape[2], job.box) for _, img, job in full]
-    gpugeometry.crop_resize_flip([img for _, img, _ in full], samplings, [job.flip for *_, job in full],
-                                 [row for row, _, _ in full], out)
-    if ready:  # already cropped and flipped by the worker
-        rows = torch.tensor([row for row, _ in ready]).to(device, non_blocking=True)
-        out.index_copy_(0, rows, torch.stack([img for _, img in ready]).to(device, non_blocking=True))
+def _batched(images: list, ints: torch.Tensor, scales: torch.Tensor, ready: torch.Tensor, ready_rows: list,
+             size: int, device: torch.device) -> torch.Tensor:
+    """uint8 NHWC batch: every crop/resize/flip in one kernel (see :mod:`imagenet.kernels.gpugeometry`),
+    each image read where it lies (CHW uint8 on ``device``): the table's SRC is its address
+    relative to the first image's, which the kernel takes as its base pointer."""
+    out = torch.empty((len(images) + len(ready_rows), size, size, 3), dtype=torch.uint8, device=device)
+    if images:
+        # copies of the table (pinned on a GPU: they go over without a host wait), its SRC filled in
+        ints, scales = (ints.pin_memory(), scales.pin_memory()) if device.type == "cuda" else (ints.clone(), scales)
+        addresses = torch.tensor([img.data_ptr() for img in images], dtype=torch.int64)
+        ints[:, gpugeometry.SRC] = addresses - addresses[0]
+        gpugeometry.launch(images[0], ints.to(device, non_blocking=True), scales.to(device, non_blocking=True), out)
+    if ready_rows:  # already cropped and flipped by the worker
+        rows = torch.tensor(ready_rows).to(device, non_blocking=True)
+        out.index_copy_(0, rows, ready.to(device, non_blocking=True))
     return out
 
 
-def _per_image(full: list, ready: list, device: torch.device) -> torch.Tensor:
-    """The same batch with torch's own resize, a few kernels per image (no Triton)."""
-    images = [None] * (len(full) + len(ready))
-    flips = [False] * len(images)
-    for row, img, job in full:
-        images[row], flips[row] = _geometry(job, img), job.flip
-    for row, img in ready:  # the worker's decoder already flipped it
-        images[row] = img.to(device, non_blocking=True).permute(2, 0, 1).float()
-    return _finish(images, flips, device)
+def _per_image(images: list, ints: torch.Tensor, scales: torch.Tensor, ready: torch.Tensor, ready_rows: list,
+               size: int, device: torch.device) -> torch.Tensor:
+    """The same batch with torch's own resize, a few kernels per image (no Triton), from the
+    same table: the region at (TOP, LEFT), resized by the table's scales, cropped at (OFF_Y, OFF_X)."""
+    G = gpugeometry
+    out: list = [None] * (len(images) + len(ready_rows))
+    flips = [False] * len(out)
+    for img, r, (sy, sx) in zip(images, ints.tolist(), scales.tolist()):
+        region = img[:, r[G.TOP]:r[G.TOP] + r[G.REGION_H], r[G.LEFT]:r[G.LEFT] + r[G.REGION_W]]
+        resized = _resized(region, round(r[G.REGION_H] / sy), round(r[G.REGION_W] / sx))
+        out[r[G.ROW]] = resized[:, r[G.OFF_Y]:r[G.OFF_Y] + size, r[G.OFF_X]:r[G.OFF_X] + size]
+        flips[r[G.ROW]] = bool(r[G.FLIP])
+    for row, img in zip(ready_rows, ready):  # the worker's decoder already flipped it
+        out[row] = img.to(device, non_blocking=True).permute(2, 0, 1).float()
+    return _finish(out, flips, device)

@@ -4,44 +4,67 @@
 workers                 (one worker's seconds for the whole batch; ``-j`` of them work side by side)
 ``read``                reading the files (a tar shard's sample: its ``pread``): a slow disk shows here
 ``parse``               the JPEG header, the crop and flip draw
-``fallback``            decoding the files the GPU does not take (PNG, CMYK) on the worker's CPU
+``fallback``            decoding the files the GPU does not take (PNG, CMYK, progressive, EXIF-rotated)
+                        on the worker's CPU
+``collate``             laying the batch in its shared-memory buffer, with the geometry kernel's table
 decode thread           (:class:`imagenet.data.prefetch.DeviceLoader`'s background thread)
 ``starved``             waiting for the workers' next batch (the hand-off to this process included)
-``busy``                preparing the batch: the nvJPEG call, which waits on the host for its decode,
-                        and launching the geometry kernel and the normalisation
+``handoff``             of that, unpickling the batch here (shared memory: file descriptors, not bytes)
+``busy``                preparing the batch: the decoder call, launching the geometry kernel and the
+                        normalisation
+``decode``              of that, the decoder call: it waits on the host for nvJPEG's decode
+``decode_cpu``          the CPU time of the decoder call (the rest of it is waiting for the GPU)
 ``ahead``               waiting for room in the queue: batches ready before the training step wants them
+``thread_cpu``          the thread's CPU time (much of it holding the GIL the step needs too)
+GPU                     (CUDA timing events on the decode stream; zero on a CPU)
+``geometry``            the crop, resize and flip kernel and the copies it needs
+``normalise``           uint8 to normalised float
+training thread
+``train_wait``          waiting at the queue for a prepared batch
 ======================  =============================================================================
 
-Only host clocks, read around calls that return anyway: nothing here waits for the GPU, and the
-work the GPU runs is not changed. The wait for an epoch's first batch (the workers starting on
-it) is left out, as the training rate leaves out the first steps. The training loop's own wait
-is the epoch's ``data_wait_frac``. :meth:`InputAccount.take` reports milliseconds per batch and
-resets; :func:`limiting_stage` reads which stage an input-bound epoch waited for.
+Host clocks are read around calls that return anyway, and the two GPU stages are events recorded
+on the decode stream and read once they are done (the epoch's last few when it is taken): nothing
+here makes the host wait for the GPU. The wait for an epoch's first batch (the workers starting
+on it) is left out, as the training rate leaves out the first steps. The training loop's own
+share of waiting is the epoch's ``data_wait_frac``. :meth:`InputAccount.take` reports
+milliseconds per batch and resets; :func:`limiting_stage` reads which stage an input-bound epoch
+waited for.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 from typing import Optional, Sequence
 
-WORKER_STAGES = ("read", "parse", "fallback")
-THREAD_STAGES = ("starved", "busy", "ahead")
-STAGES = WORKER_STAGES + THREAD_STAGES
+import torch
+
+WORKER_STAGES = ("read", "parse", "fallback", "collate")
+THREAD_STAGES = ("starved", "busy", "ahead")  # the decode thread's time, all of it
+DETAIL_STAGES = ("handoff", "decode", "decode_cpu", "thread_cpu")  # parts of those, and its CPU time
+GPU_STAGES = ("geometry", "normalise")
+STAGES = WORKER_STAGES + THREAD_STAGES + DETAIL_STAGES + GPU_STAGES + ("train_wait",)
 
 
 class InputAccount:
     """Seconds per stage, summed over the batches since the last :meth:`take`; thread-safe (the
     decode thread adds, the training thread takes)."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda  # time the GPU stages (events on the current stream)
         self._lock = threading.Lock()
         self._sums = dict.fromkeys(STAGES, 0.0)
         self._batches = 0
+        self._events: collections.deque = collections.deque()  # (stage, start, end) not yet read
 
-    def batch(self, worker_seconds: Optional[Sequence[float]] = None) -> None:
-        """One batch arrived; ``worker_seconds``: its worker's (read, parse, fallback)."""
+    def batch(self, worker_seconds: Optional[Sequence[float]] = None, handoff: float = 0.0) -> None:
+        """One batch arrived; ``worker_seconds``: its worker's (read, parse, fallback, collate);
+        ``handoff``: the seconds unpickling it here."""
         with self._lock:
             self._batches += 1
+            self._sums["handoff"] += handoff
             for stage, s in zip(WORKER_STAGES, worker_seconds or ()):
                 self._sums[stage] += s
 
@@ -49,10 +72,33 @@ class InputAccount:
         with self._lock:
             self._sums[stage] += seconds
 
+    @contextlib.contextmanager
+    def gpu(self, stage: str):
+        """Time the device work enqueued inside on the current stream (CUDA only; else nothing)."""
+        if not self.cuda:
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        with self._lock:
+            self._events.append((stage, start, end))
+            while self._events and self._events[0][2].query():  # the ones already done; never wait
+                self._read(*self._events.popleft())
+
+    def _read(self, stage: str, start, end) -> None:
+        self._sums[stage] += start.elapsed_time(end) / 1000.0
+
     def take(self) -> dict:
         """``{"batches": n, stage: milliseconds per batch, ...}`` since the last call; empty
-        before any batch."""
+        before any batch. Waits for the GPU events still pending, an epoch's last few."""
         with self._lock:
+            while self._events:
+                stage, start, end = self._events.popleft()
+                end.synchronize()
+                self._read(stage, start, end)
             sums, n = self._sums, self._batches
             self._sums, self._batches = dict.fromkeys(STAGES, 0.0), 0
         if not n:
@@ -79,7 +125,7 @@ def limiting_stage(stages: dict) -> str:
     * ``"workers"`` -- the workers (header parsing, crop draws, CPU fallbacks, or too few of them);
     * ``"gpu"`` -- the GPU decoding stage: its thread was busy while the workers kept up;
     * ``"ready"`` -- the batches were ready ahead of the step: the loop's wait was for the decode
-      stream's kernels on the GPU, which no host clock here sees.
+      stream's kernels on the GPU (the ``geometry`` and ``normalise`` stages time them).
 
     The decode thread meets the workers' pace as ``starved`` time: waiting for them longer than
     working means they were the limit.
@@ -94,11 +140,21 @@ def limiting_stage(stages: dict) -> str:
 
 
 def describe(stages: dict, workers: int) -> str:
-    """The epoch's line: the workers' stages in milliseconds per batch, the decode thread's shares."""
+    """The epoch's line: the workers' stages in milliseconds per batch, the decode thread's shares
+    (and, where timed, the parts of them, the GPU's stages and the training thread's wait)."""
     g = stages.get
     busy, starved, ahead = thread_shares(stages)
+
+    def part(text: str, key: str) -> str:  # a stage this account timed, as ", text N ms/batch"
+        return f", {text} {g(key, 0):.1f} ms/batch" if g(key, 0) else ""
+    decode = (f": decoder call {g('decode', 0):.1f} ms, {g('decode_cpu', 0):.1f} of it on the CPU"
+              if g("decode", 0) else "")
+    handoff = f" (hand-off {g('handoff', 0):.1f} ms/batch)" if g("handoff", 0) else ""
+    gpu = (f"; on the GPU: geometry {g('geometry', 0):.2f} ms/batch, normalise {g('normalise', 0):.2f} ms/batch"
+           if g("geometry", 0) or g("normalise", 0) else "")
+    wait = f"; training thread waited {g('train_wait', 0):.1f} ms/batch" if g("train_wait", 0) else ""
     return (f"workers read {g('read', 0):.1f} ms/batch, parse headers and draw crops {g('parse', 0):.1f} ms/batch, "
-            f"decode fallbacks {g('fallback', 0):.1f} ms/batch (one worker's time for a batch; {workers} "
-            f"worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% ({g('busy', 0):.1f} "
-            f"ms/batch), waiting for workers {100 * starved:.0f}%, waiting for room {100 * ahead:.0f}% "
-            f"({stages['batches']} batches)")
+            f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')} (one worker's time for a "
+            f"batch; {workers} worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% "
+            f"({g('busy', 0):.1f} ms/batch{decode}), waiting for workers {100 * starved:.0f}%{handoff}, waiting for "
+            f"room {100 * ahead:.0f}%{part('CPU', 'thread_cpu')}{gpu}{wait} ({stages['batches']} batches)")

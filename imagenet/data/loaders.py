@@ -16,6 +16,7 @@ from torchvision.datasets.folder import default_loader
 
 from ..base.errors import UserError
 from ..base.paths import default_cache_dir
+from . import gpujpeg
 from .cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
@@ -36,8 +37,9 @@ def collate_skipping(batch: Sequence) -> tuple:
     if not good:
         return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
     if isinstance(good[0][0], (JpegJob, CpuDecoded)):  # --decode gpu: the device decodes them
-        images = JpegBatch.collate([g[0] for g in good])
-    elif isinstance(good[0][0], CpuCrop):  # --decode cpu on a GPU: the device resizes them
+        images = JpegBatch.collate([g[0] for g in good], [g[1] for g in good])
+        return images, images.targets, skipped  # the targets travel in the batch's one buffer
+    if isinstance(good[0][0], CpuCrop):  # --decode cpu on a GPU: the device resizes them
         images = CropBatch.collate([g[0] for g in good])
     else:
         images = torch.stack([g[0] for g in good])
@@ -73,6 +75,7 @@ class DataBundle:
     root: str  # where the images are ("synthetic" for --dummy)
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
+    jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
 
 
 def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
@@ -88,6 +91,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
     shards = _shard_index(cfg, root)
     classes = shards.classes if shards is not None else check_layout(root)
+    decoder = None
     if cfg.data_pipeline == "fast":
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
@@ -97,8 +101,10 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize), path_identity  # never a reduced-scale decode
         pipeline = "fast: workers decode, crop, resize and flip"
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
+            decoder = gpujpeg.require()
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
-            pipeline = "fast, --decode gpu: workers read files, nvJPEG decodes, one kernel crops, resizes and flips"
+            pipeline = (f"fast, --decode gpu: workers read files, nvJPEG decodes ({gpujpeg.describe(decoder)}), one "
+                        "kernel crops, resizes and flips")
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
             train_tf = TrainCropReader(train_tf)
             pipeline = "fast: workers decode and crop, one kernel on the GPU resizes and flips each batch"
@@ -112,10 +118,10 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         train = ShardDataset(shards.splits["train"], train_tf, loader)
         val = ShardDataset(shards.splits["val"], val_tf, loader)
         layout = f"tar shards ({len(train)} train / {len(val)} val in {shards.shard_count} shards)"
-        return DataBundle(train, val, classes, root, pipeline, layout)
+        return DataBundle(train, val, classes, root, pipeline, layout, decoder)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
-    return DataBundle(train, val, classes, root, pipeline)
+    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder)
 
 
 def _shard_index(cfg, root: str) -> Optional[ShardIndex]:
@@ -205,5 +211,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
-                              background=cfg.decode == "gpu")
+                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder)
                  for loader in (train_loader, val_loader))

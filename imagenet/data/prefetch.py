@@ -8,10 +8,10 @@ synthetic data) pass through, laid out as asked.
 
 With ``background=True`` (``--decode gpu``) a thread takes the batches from the DataLoader and
 prepares them -- nvJPEG decode, crops, resizes -- on its own stream, up to ``depth`` batches
-ahead. That work is mostly host-side launching (a few kernels per image); in the training thread
-it ran in series with the step's own launches, so the step waited for it. The thread keeps an
-account, with host clocks only, of its waits for the workers and its work, and of the workers'
-own times that came with each batch (:mod:`imagenet.data.inputaccount`), read per epoch with
+ahead. The decoder call waits on the host for its decode; in the training thread it would hold
+up the step's own launches. The thread keeps an account of its waits for the workers and its
+work, of the GPU time of its kernels (events, read once done) and of the workers' own times
+that came with each batch (:mod:`imagenet.data.inputaccount`), read per epoch with
 :meth:`DeviceLoader.stage_account`.
 """
 
@@ -21,10 +21,11 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
+from . import gpujpeg
 from .cropbatch import CropBatch
 from .gpudecode import JpegBatch, decode_batch
 from .inputaccount import InputAccount
@@ -32,7 +33,8 @@ from .inputaccount import InputAccount
 
 class Normalize:
     """uint8 NHWC images -> float NCHW (channels_last memory), ``(x / 255 - mean) / std``, on
-    ``device``, as ``x * scale + shift``: a multiply and an add per element, in place."""
+    ``device``, as ``shift + x * scale`` in one kernel (``addcmul`` promotes the uint8 input):
+    one pass writing the float batch, where a conversion, a multiply and an add made three."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device = torch.device("cpu")):
         std_t = torch.tensor(std, dtype=torch.float32)
@@ -40,8 +42,8 @@ class Normalize:
         self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, 3, 1, 1).to(device)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.permute(0, 3, 1, 2).float()  # NHWC memory == channels_last NCHW
-        return x.mul_(self.scale).add_(self.shift)  # in place: no third full-size tensor
+        # NHWC memory == channels_last NCHW, and the result keeps that layout
+        return torch.addcmul(self.shift, images.permute(0, 3, 1, 2), self.scale)
 
 
 def is_uint8_batch(images) -> bool:
@@ -52,15 +54,17 @@ class DeviceLoader:
     """Wraps a DataLoader; iterating yields device-ready ``(images, targets, skipped)``."""
 
     def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
-                 std: Sequence[float], background: bool = False, depth: int = 2):
+                 std: Sequence[float], background: bool = False, depth: int = 2,
+                 decoder: Optional[gpujpeg.JpegDecoder] = None):
         self.loader = loader
         self.background = background
         self.depth = depth
         self.device = device
         self.channels_last = channels_last
         self.normalize = Normalize(mean, std, device)
+        self.decoder = decoder  # --decode gpu's JPEG decoder (found at the first batch if None)
         self._counts = {"gpu": 0, "cpu": 0}
-        self.account = InputAccount()  # the background thread's (--decode gpu)
+        self.account = InputAccount(cuda=device.type == "cuda")  # the background thread's (--decode gpu)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -94,13 +98,18 @@ class DeviceLoader:
         if targets.numel() == 0:
             return images, targets, skipped, counts
         if isinstance(images, JpegBatch):
-            images, keep, bad, counts = decode_batch(images, self.device)
+            self.decoder = self.decoder or gpujpeg.require()
+            images, keep, bad, counts = decode_batch(images, self.device, self.decoder, self.account)
             if bad:
                 targets = targets[torch.tensor(keep)]
                 skipped = skipped + bad
             if targets.numel() == 0:
                 return torch.empty(0), targets, skipped, counts
-        elif isinstance(images, CropBatch):  # --decode cpu's crops, resized and flipped here
+            targets = targets.to(self.device, non_blocking=True)
+            with self.account.gpu("normalise"):
+                images = self._convert(images)
+            return images, targets, skipped, counts
+        if isinstance(images, CropBatch):  # --decode cpu's crops, resized and flipped here
             images = images.to_device(self.device)
         else:
             images = images.to(self.device, non_blocking=True)
@@ -169,14 +178,17 @@ class DeviceLoader:
             try:
                 with torch.cuda.device(self.device) if cuda else contextlib.nullcontext(), \
                         torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                    clock, first = time.perf_counter(), True
+                    clock, cpu, first = time.perf_counter(), time.thread_time(), True
                     for batch in it:
                         arrived = time.perf_counter()
                         if not first:  # the first wait is the workers starting up
                             account.add("starved", arrived - clock)
                         first = False
                         images = batch[0]
-                        account.batch(images.worker_seconds if isinstance(images, JpegBatch) else None)
+                        if isinstance(images, JpegBatch):
+                            account.batch(images.worker_seconds, images.handoff)
+                        else:
+                            account.batch()
                         prepared = self._to_device(batch)
                         event = None
                         if cuda:
@@ -188,6 +200,8 @@ class DeviceLoader:
                             return
                         clock = time.perf_counter()
                         account.add("ahead", clock - made)  # room in the queue only once the step took one
+                        account.add("thread_cpu", time.thread_time() - cpu)
+                        cpu = time.thread_time()
                 offer(("end", None, None))
             except BaseException as e:  # raised again in the training thread
                 offer(("error", e, None))
@@ -196,8 +210,13 @@ class DeviceLoader:
         thread.start()
         main = torch.cuda.current_stream(self.device) if cuda else None
         try:
+            first = True
             while True:
+                asked = time.perf_counter()
                 kind, prepared, event = ready.get()
+                if not first:  # the first is the workers starting up
+                    account.add("train_wait", time.perf_counter() - asked)
+                first = False
                 if kind == "end":
                     return
                 if kind == "error":

@@ -54,7 +54,7 @@ class Machine:
     triton: bool  # Triton compiles for this GPU (our kernels and Inductor's need it)
     cpus_per_gpu: int = 1  # CPU cores of this machine over the GPUs training on it (--decode auto)
     gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
-    gpu_decode: bool = False  # this torchvision decodes JPEGs on the GPU (nvJPEG)
+    gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpujpeg)
 
     @classmethod
     def of(cls, ctx) -> "Machine":

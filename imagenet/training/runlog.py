@@ -135,16 +135,21 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
         g = stages.get
         stage = limiting_stage(stages)
         if stage == "ready":
+            kernels = g("geometry", 0) + g("normalise", 0)
+            timed = f" ({kernels:.1f} ms a batch of GPU time)" if kernels else ""
             return (f"the GPU decoding stage was the limit: its thread had the batches ready ahead (it waited "
-                    f"{g('ahead', 0):.0f} ms a batch for room), so the loop waited for the decode's kernels on the GPU")
+                    f"{g('ahead', 0):.0f} ms a batch for room), so the loop waited for the decode's kernels on the "
+                    f"GPU{timed}")
         if stage == "gpu":
             if cpus - 1 >= CPU_DECODE_CORES:
                 tip = f"try --decode cpu -j {cpus - 1}, which decodes in the workers"
             else:
                 tip = (f"with {cpus} CPUs {here}, --decode cpu is unlikely to do better (CPU decoding kept up with an "
                        f"H200 from 15 workers, not with 6)")
+            doing = (f"the decoder call {g('decode', 0):.0f} ms of it, launching the kernels the rest" if g("decode", 0)
+                     else "nvJPEG's decode and the kernels' launches")
             return (f"the GPU decoding stage was the limit: its thread was busy {g('busy', 0):.0f} ms a batch "
-                    f"(nvJPEG's decode and the kernels' launches) while the {workers} kept up (it waited "
+                    f"({doing}) while the {workers} kept up (it waited "
                     f"{g('starved', 0):.0f} ms a batch for them); {tip}")
         work = worker_ms(stages)
         if stage == "files":

@@ -242,14 +242,14 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
         require_tensorboard()  # every rank, before any collective (rank 0 writes the events)
     weights = pretrained_weights(cfg.arch, cfg.pretrained) if cfg.pretrained else None
     val_geo = val_geometry(cfg, weights)
+    if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":  # before looking for a GPU decoder
+        raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
     root = _resolve_data_root(cfg)
     data = build_datasets(cfg, root, val_geo, ctx.device)
     if cfg.dummy:
         source = "synthetic data (--dummy)"
     else:
         source = root if cfg.data else f"built-in MNIST-5k ({root})"
-    if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":
-        raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
     train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
     iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
     iters = iters if cfg.prof < 0 else min(iters, cfg.prof)

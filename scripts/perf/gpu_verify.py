@@ -13,6 +13,7 @@
     python scripts/perf/gpu_verify.py shrink     # Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline
     python scripts/perf/gpu_verify.py defaults --old DIR  # issue 27: the plain commands, old tree and this one; cold/warm start
     python scripts/perf/gpu_verify.py shards     # tar shards vs the folder they came from: img/s; --shards-parts accuracy: Acc@1
+    python scripts/perf/gpu_verify.py decode     # issue 28: CPU vs GPU decode at 4/6/15 workers, eager and CUDA graphs
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -648,11 +649,11 @@ def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> N
     worker = torch.stack(seeded(make()))
     crops = CropBatch.collate(seeded(TrainCropReader(make()))).to_device(device).cpu()
     gpu_items = seeded(TrainJpegReader(make()))
-    gpu = decode_batch(JpegBatch(gpu_items), device)[0].cpu()
+    gpu = decode_batch(JpegBatch.collate(gpu_items), device)[0].cpu()
     full_pil = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths[:256]]
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
-    full_nv = [img.permute(1, 2, 0).cpu() for img in
-               decode_jpeg([read_file(p) for p in paths[:256]], mode=ImageReadMode.RGB, device=device)]
+    from imagenet.data import gpujpeg
+    full_nv = [img.permute(1, 2, 0).cpu() for img in gpujpeg.require().decode(
+        [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in paths[:256]], device)]
 
     def sharp(x):
         x = x.float()
@@ -828,6 +829,162 @@ def visible_gpus() -> int:
     return int(out.stdout.strip() or 0)
 
 
+DECODE_MODES = {"eager": " --compile off", "cuda-graphs": ""}  # cuda-graphs: the plain command (speed defaults)
+
+
+def decode_subset(args) -> str:
+    """The benchmark folder cut to --decode-per-class training images and one validation image a
+    class (links, made in a second): short epochs, so that every row of the phase fits one call."""
+    root = f"{JPEG_DIR}_decode{args.decode_per_class}"
+    if os.path.isdir(os.path.join(root, "val")):
+        return root
+    src = ensure_jpeg(args)
+    shutil.rmtree(root + ".tmp", ignore_errors=True)
+    for split, keep in (("train", args.decode_per_class), ("val", 1)):
+        for cls in sorted(os.listdir(os.path.join(src, split))):
+            os.makedirs(os.path.join(root + ".tmp", split, cls), exist_ok=True)
+            for name in sorted(os.listdir(os.path.join(src, split, cls)))[:keep]:
+                os.symlink(os.path.join(src, split, cls, name), os.path.join(root + ".tmp", split, cls, name))
+    os.rename(root + ".tmp", root)
+    return root
+
+
+def _median_stages(rows: list) -> dict:
+    """Each stage's median over the epochs' input_stages (ms a batch), in the account's order."""
+    accounts = [r["input_stages"] for r in rows if r.get("input_stages")]
+    if not accounts:
+        return {}
+    keys = [k for k in accounts[0] if k != "batches"]
+    return {k: statistics.median(a.get(k, 0.0) for a in accounts) for k in keys}
+
+
+def _decode_auto(workers: list) -> str:
+    """What --decode auto chooses on this machine for one GPU at each -j (imagenet.data.decodechoice)."""
+    code = ("import sys; sys.path.insert(0, '.'); import torch; "
+            "from imagenet.base.config import Config; "
+            "from imagenet.data.decodechoice import choose, gpu_decoder_available; "
+            "from imagenet.training.defaults import usable_cpus; "
+            "cuda, cpus, dec = torch.cuda.is_available(), usable_cpus(), gpu_decoder_available(); "
+            f"[print(f'-j {{w}}: --decode', c.decode, '--', c.why) for w in {workers!r} for c in "
+            "[choose(Config(decode='auto', workers=w), cuda=cuda, cpus_per_gpu=cpus, gpu_decoder=dec)]]")
+    out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+    return out.stdout.strip() or out.stderr.strip()[-500:]
+
+
+def phase_decode(args) -> None:
+    """Issue 28's table from one call: ResNet-50 --fp16 --channels-last -b --decode-batch end to end
+    from the benchmark JPEGs (cut to --decode-per-class a class) with CPU decode and --decode gpu
+    at each of --decode-workers workers, in each of --decode-modes (eager: --compile off;
+    cuda-graphs: the plain command, the speed defaults' fastest mode), beside main.py --dummy's
+    synthetic step in the same mode. Each rate is the median of the epochs after the first
+    (--decode-epochs; main.py leaves each epoch's first steps out), with the GPU's idle share and
+    the share of the synthetic step; then where a --decode gpu batch's time went (input_stages,
+    medians of the same epochs), what each input-bound epoch's line said, the hardware JPEG
+    engines' use, and what --decode auto chooses here. --decode-tests runs those tests first, in
+    the same call. Rows run in order of importance (per mode: synthetic, GPU decode, CPU decode)
+    within --decode-budget seconds (the tests' time included), each under --decode-timeout; a row
+    that would start past the budget is reported as not run."""
+    if visible_gpus() == 0:
+        fail("the decode phase trains on a CUDA GPU (main.py --decode gpu); none is visible here")
+    modes = args.decode_modes.split(",")
+    if set(modes) - set(DECODE_MODES):
+        fail(f"--decode-modes: {args.decode_modes!r}; choose from {','.join(DECODE_MODES)}")
+    t0 = time.time()
+    g0 = {"CUDA_VISIBLE_DEVICES": "0"}
+    tested = None
+    if args.decode_tests:
+        tested = run_group([{"name": "decode-tests", "cmd": f"{PY} -m pytest -q -p no:cacheprovider {args.decode_tests}",
+                             "env": g0}], args)[0]
+        print(tail(os.path.join(args.out, "decode-tests", "log.txt"), 3), flush=True)
+    data = decode_subset(args)
+    workers = [int(w) for w in args.decode_workers.split(",")]
+    batch, epochs = args.decode_batch, args.decode_epochs
+    common = f"-a resnet50 -b {batch} --fp16 --channels-last --epochs {epochs} -p 1000 --output-dir OUT"
+    classes = len(os.listdir(os.path.join(data, "train")))
+    per_epoch = classes * args.decode_per_class // batch * batch
+    runs = []  # (name, mode, decode, workers, cmd): per mode the synthetic step, then GPU decode, then CPU decode
+    for mode in modes:
+        flags = DECODE_MODES[mode]
+        runs.append((f"synthetic-{mode}", mode, "synthetic", 0,
+                     f"{PY} main.py --dummy --dummy-train-size {per_epoch} --dummy-val-size {batch} {common}{flags}"))
+        for decode in ("gpu", "cpu"):
+            for w in workers:
+                runs.append((f"{decode}-j{w}-{mode}", mode, decode, w,
+                             f"{PY} main.py {data} {common}{flags} --decode {decode} -j {w}"))
+    auto = _decode_auto(workers)
+    results, engines = [], {}
+    for name, mode, decode, w, cmd in runs:
+        left = args.decode_budget - (time.time() - t0)
+        if left < 45:
+            results.append((name, mode, decode, w, None))
+            continue
+        dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+                if decode == "gpu" and shutil.which("nvidia-smi") else None)
+        res = run_group([{"name": name, "cmd": f"timeout {int(min(left, args.decode_timeout))} {cmd}", "env": g0}],
+                        args)[0]
+        if dmon is not None:
+            dmon.terminate()
+            engines[name] = jpeg_engine_use(dmon.communicate()[0])
+        results.append((name, mode, decode, w, res))
+    synthetic, rows = {}, {}  # rows: (decode, workers, mode) -> (rates, stages, decoded on GPU, fallbacks, result)
+    for name, mode, decode, w, res in results:
+        out = os.path.join(args.out, name)
+        measured = last_metrics(out)[1:] if res is not None else []
+        rates = _epoch_rates(out, 1) if res is not None else None
+        if decode == "synthetic":
+            synthetic[mode] = rates[0] if rates else None
+            continue
+        rows[(decode, w, mode)] = (rates, _median_stages(measured), sum(r.get("decoded_on_gpu", 0) for r in measured),
+                                   sum(r.get("decode_fallbacks", 0) for r in measured), res)
+    print(f"\nResNet-50 --fp16 --channels-last -b {batch}, {per_epoch} training JPEGs an epoch ({data}), {epochs} "
+          "epochs, the first left out; img/s the median of the others (spread), 'idle' the GPU's share waiting for "
+          "input, '%' of the synthetic step in the same mode:")
+    head = " | ".join(f"{m}: img/s | spread | idle | %" for m in modes)
+    print(f"\n| input | workers | {head} |\n| --- | ---: |" + " ---: | --- | ---: | ---: |" * len(modes))
+    print("| synthetic step (main.py --dummy) | | " + " | ".join(
+        f"{synthetic[m]:.0f} | | | 100" if synthetic.get(m) else "not run | | |" for m in modes) + " |")
+    for decode in ("cpu", "gpu"):
+        for w in workers:
+            cells = []
+            for m in modes:
+                rates, _, _, _, res = rows.get((decode, w, m), (None, {}, 0, 0, None))
+                if res is None:
+                    cells.append("not run (budget) | | |")
+                elif not rates:
+                    cells.append(f"FAILED (exit {res['rc']}) | | |")
+                else:
+                    med, lo, hi, wait = rates
+                    share = f"{100 * med / synthetic[m]:.1f}" if synthetic.get(m) else ""
+                    cells.append(f"{med:.0f} | {lo:.0f}..{hi:.0f} | {wait:.3f} | {share}")
+            label = "CPU decode" if decode == "cpu" else "`--decode gpu`"
+            print(f"| {label} | {w} | " + " | ".join(cells) + " |")
+    accounts = {(w, m): v for (decode, w, m), v in rows.items() if decode == "gpu" and v[1]}
+    keys = next(iter(accounts.values()))[1].keys() if accounts else []
+    print("\n--decode gpu, where a batch's time went (input_stages: ms a batch, medians of the measured epochs; "
+          "worker stages are one worker's time for a batch; geometry and normalise are GPU time):")
+    print("\n| row | " + " | ".join(keys) + " | decoded on GPU | fallbacks |")
+    print("| --- |" + " ---: |" * (len(keys) + 2))
+    for (w, m), (_, stages, gpu, cpu, _) in accounts.items():
+        print(f"| gpu-j{w}-{m} | " + " | ".join(f"{stages.get(k, 0.0):.2f}" for k in keys) + f" | {gpu} | {cpu} |")
+    print("\ninput-bound lines (the last of each row):")
+    for name, *_, res in results:
+        log = os.path.join(args.out, name, "log.txt")
+        lines = [ln.strip() for ln in open(log) if "was input-bound" in ln] if res is not None and os.path.exists(log) \
+            else []
+        if lines:
+            print(f"- {name}: {lines[-1]}")
+    for name, use in engines.items():
+        print(f"hardware JPEG engines during {name}: {use}")
+    print("\n--decode auto here, one GPU:\n" + auto)
+    if tested is not None:
+        print(f"\ntests ({args.decode_tests}): exit {tested['rc']}, "
+              f"{tail(os.path.join(args.out, 'decode-tests', 'log.txt'), 1).strip()}")
+    print(f"\nphase: {time.time() - t0:.0f} s")
+    print_commands(([tested] if tested else []) + [res for *_, res in results if res is not None])
+
+
 def phase_scaling(args) -> None:
     """Weak scaling of ResNet-50 over 1, 2, 4, 8 GPUs (as many as are visible): DDP through
     multiproc at 256 images per GPU, DataParallel for comparison, the GPU-decode JPEG pipeline
@@ -977,7 +1134,7 @@ def phase_defaults(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=("smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling",
-                                     "shrink", "defaults", "shards"))
+                                     "shrink", "defaults", "shards", "decode"))
     p.add_argument("--data", default="/tmp/fashion-mnist")
     p.add_argument("--idx-dir", default=os.path.join(REPO, ".data", "fashion-mnist"))
     p.add_argument("--out", default="/tmp/gpu_verify", help="run folders (checkpoints are large: not $OUT)")
@@ -1051,11 +1208,25 @@ def main() -> int:
     p.add_argument("--shards-window", type=int, default=0,
                    help="shards: --shuffle-window of the shard runs (0: main.py's default scaled from ImageNet to the set)")
     p.add_argument("--shards-seeds", default="0,1,2", help="shards: seeds of the accuracy comparison")
+    p.add_argument("--decode-workers", default="4,6,15", help="decode: the -j of each row")
+    p.add_argument("--decode-modes", default="eager,cuda-graphs",
+                   help="decode: step modes, of " + ", ".join(f"{k} (main.py{v or ' as typed'})" for k, v in
+                                                               DECODE_MODES.items()))
+    p.add_argument("--decode-batch", type=int, default=384, help="decode: -b of every row")
+    p.add_argument("--decode-epochs", type=int, default=4, help="decode: epochs of every row (the first is left out)")
+    p.add_argument("--decode-per-class", type=int, default=64,
+                   help="decode: training JPEGs a class (100 classes) of the benchmark folder each epoch reads")
+    p.add_argument("--decode-budget", type=float, default=480,
+                   help="decode: seconds for all rows; a row that would start later is not run")
+    p.add_argument("--decode-timeout", type=float, default=150, help="decode: seconds one row may take")
+    p.add_argument("--decode-tests", default="",
+                   help="decode: test paths to run first in the same call, e.g. 'tests/test_gpudecode.py "
+                        "tests/test_gpugeometry.py tests/test_input_account.py'")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
      "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink,
-     "defaults": phase_defaults, "shards": phase_shards}[args.phase](args)
+     "defaults": phase_defaults, "shards": phase_shards, "decode": phase_decode}[args.phase](args)
     return 0
 
 
