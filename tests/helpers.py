@@ -156,6 +156,28 @@ def epoch_of(model, loader, optimizer, scheduler, precision, ctx, opts, criterio
 # ------------------------------------------------------------------ precision modes on a small network
 
 
+def interrupt_after_step(monkeypatch, step: int, epoch=None, seen=None):
+    """Stop a run's training loop right after loader batch ``step`` (of ``epoch``, or of any
+    epoch) has been handed to the runner's per-step hook (which writes a due mid-epoch
+    checkpoint), as a kill -9 would: KeyboardInterrupt, which main() turns into exit 130.
+    ``seen`` (a list) collects every step the hook was called at. ``monkeypatch.undo()`` lets
+    the resumed run through."""
+    from imagenet.training import engine
+    real = engine.train_one_epoch
+
+    def interrupted(*a, **k):
+        on_step = k["on_step"]
+
+        def hook(done, sums):
+            if seen is not None:
+                seen.append(done)
+            on_step(done, sums)
+            if done == step and epoch in (None, k["progress"].epoch):
+                raise KeyboardInterrupt
+        return real(*a, **dict(k, on_step=hook))
+    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", interrupted)
+
+
 def tiny_run_args(data, out, *extra):
     """main.py's arguments for a tiny, seeded ResNet-18 run at 16 px, batch 16, loading in-process,
     printing once an epoch; the caller adds --epochs and the rest."""

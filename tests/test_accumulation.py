@@ -12,7 +12,7 @@ from imagenet.precision import LossScaler, MasterWeightPrecision, Precision
 from imagenet.precision.optim import build_optimizer
 from imagenet.training import engine
 from imagenet.training.engine import LoopOptions
-from tests.helpers import assert_same_run, epoch_of
+from tests.helpers import assert_same_run, epoch_of, interrupt_after_step
 from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
 
@@ -95,18 +95,7 @@ def test_trainer_resumes_an_accumulating_run_bit_exactly(digits, tmp_path):
 
 def test_mid_epoch_checkpoints_fall_between_optimizer_steps(digits, tmp_path, monkeypatch):
     steps_seen = []
-    real = engine.train_one_epoch
-
-    def crash(*a, **k):
-        on_step = k["on_step"]
-
-        def hook(done, sums):
-            steps_seen.append(done)
-            on_step(done, sums)
-            if done == 6:
-                raise KeyboardInterrupt
-        return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash)
+    interrupt_after_step(monkeypatch, 6, seen=steps_seen)
     # every 2 optimizer steps = every 4 loader batches: a save at 4 only (counting loader batches
     # would save at 2, 4 and 6)
     assert main(args(digits, tmp_path, "-j", "0", "--accum-steps", "2", "--save-every-steps", "2")) == 130

@@ -8,7 +8,7 @@ import torch
 
 from imagenet.cli import main
 from imagenet.data.mixing import BatchMixer
-from tests.helpers import assert_same_run, digits_fixture, last_checkpoint, resnet18_args, scratch
+from tests.helpers import assert_same_run, digits_fixture, interrupt_after_step, last_checkpoint, resnet18_args, scratch
 
 
 def batch():
@@ -116,18 +116,7 @@ def test_mid_epoch_resume_with_mixing_is_bit_exact(few_digits, straight_runs, tm
     """Stopped after the checkpoint at step 3 of 5 (as a kill -9 would), then resumed: the same
     draws and weights as the uninterrupted run. A DataLoader iterator takes a draw from the
     global RNG when it is made, which a resumed run does after restoring that RNG."""
-    from imagenet.training import engine
-    real = engine.train_one_epoch
-
-    def crash_after_save(*a, **k):
-        on_step = k["on_step"]
-
-        def hook(done, sums):
-            on_step(done, sums)
-            if done == 3:
-                raise KeyboardInterrupt
-        return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
+    interrupt_after_step(monkeypatch, 3)
     with recorded_draws() as first:
         assert main(mixing_args(few_digits, tmp_path, workers, "--save-every-steps", 3)) == 130
     assert last_checkpoint(tmp_path)["step_in_epoch"] == 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from imagenet.cli import main
-from tests.helpers import assert_same_run, make_digits, scratch
+from tests.helpers import assert_same_run, interrupt_after_step, make_digits, scratch
 from tests.helpers import last_checkpoint as weights
 from tests.helpers import resnet18_args as args
 
@@ -45,19 +45,7 @@ def straight(digits, tmp_path_factory):
 
 def test_mid_epoch_checkpoint_resumes_bit_exactly(digits, straight, tmp_path, monkeypatch):
     # Stop the first run right after a mid-epoch checkpoint at step 5 of epoch 1, as a kill -9 would.
-    from imagenet.training import engine
-
-    real = engine.train_one_epoch
-
-    def crash_after_save(*a, **k):
-        on_step = k["on_step"]
-
-        def hook(done, sums):
-            on_step(done, sums)
-            if k["progress"].epoch == 1 and done == 5:
-                raise KeyboardInterrupt
-        return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
+    interrupt_after_step(monkeypatch, 5, epoch=1)
     assert main(args(digits, tmp_path, *COSINE, "--save-every-steps", "5")) == 130
     ckpt = weights(tmp_path)
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 5)

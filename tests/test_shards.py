@@ -33,7 +33,7 @@ from imagenet.data.remote import local_copy
 from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
 from imagenet.data.shardindex import read_index
 from imagenet.data.shards import SampleBytes, ShardDataset
-from tests.helpers import assert_same_run, last_checkpoint, make_digits, photo, scratch
+from tests.helpers import assert_same_run, interrupt_after_step, last_checkpoint, make_digits, photo, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_SIZE = 16_000  # about 5 digits a shard: 8 training shards, 2 of validation
@@ -381,18 +381,7 @@ def test_a_mid_epoch_checkpoint_resumes_bit_exactly(shards, tmp_path, monkeypatc
     windowed = ("--shuffle-window", "10")  # 2 of the 8 training shards at a time
     straight = tmp_path / "straight"
     assert main(run_args(shards, straight, *windowed)) == 0
-    from imagenet.training import engine
-    real = engine.train_one_epoch
-
-    def crash_after_save(*a, **k):
-        on_step = k["on_step"]
-
-        def hook(done, sums):
-            on_step(done, sums)
-            if done == 2:
-                raise KeyboardInterrupt  # as a kill -9 right after the checkpoint
-        return real(*a, **dict(k, on_step=hook))
-    monkeypatch.setattr("imagenet.training.runner.train_one_epoch", crash_after_save)
+    interrupt_after_step(monkeypatch, 2)  # as a kill -9 right after the checkpoint
     split = tmp_path / "split"
     assert main(run_args(shards, split, *windowed, "--save-every-steps", "2")) == 130
     ckpt = last_checkpoint(split)
