@@ -485,3 +485,18 @@ def test_a_url_without_fsspec_names_the_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "fsspec", None)
     assert main(run_args("s3://bucket/shards", tmp_path / "run")) == 2
     assert "pip install fsspec" in capsys.readouterr().err
+
+
+def test_the_shard_reader_benchmark_reads_every_sample(shards, digits, capsys):
+    """scripts/perf/shard_readers.py (the reader against webdataset's): on the CPU with our reader
+    (webdataset is optional), both kinds of work, a row each; a folder without an index is refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("shard_readers", REPO / "scripts" / "perf" / "shard_readers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([str(shards), "--readers", "ours", "--workers", "0", "--batch-size", "8", "--passes", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ours |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["read", "decode"], rows
+    assert all(float(row.split("|")[3].replace(",", "")) > 0 for row in rows)
+    assert bench.main([str(digits), "--readers", "ours"]) == 2
+    assert "no shard folder" in capsys.readouterr().out
