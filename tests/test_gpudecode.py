@@ -135,8 +135,58 @@ def test_the_decoder_is_found_and_named(monkeypatch):
     with pytest.raises(UserError, match="names no JPEG decoder"):
         gpujpeg.find()
     if gpujpeg.find("torchcodec") is None:
-        with pytest.raises(UserError, match="pip install torchcodec"):
+        with pytest.raises(UserError, match=r"torchcodec: not installed.*torchcodec>=0.16"):
             gpujpeg.require("torchcodec")
+
+
+def _stub(name, fails=None):
+    def batched(datas, device):
+        if fails is not None:
+            raise fails
+        return [torch.zeros(3, 8, 16, dtype=torch.uint8) for _ in datas]
+    return gpujpeg.JpegDecoder(name, batched, lambda data, device: batched([data], device)[0])
+
+
+@pytest.fixture
+def fresh_lookup(monkeypatch):
+    monkeypatch.setattr(gpujpeg, "_found", {})
+    monkeypatch.setattr(gpujpeg, "_failed", {})
+    monkeypatch.delenv(gpujpeg.ENV, raising=False)
+
+
+def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fresh_lookup):
+    """TorchCodec's CPU wheels (no nvJPEG) fail every CUDA call: with a GPU visible, find() probes
+    each backend with a small JPEG and takes the first that decodes it; require() says why none
+    did. Without the probe every image would fall back to PIL in the decode thread, unreported."""
+    no_nvjpeg = RuntimeError("torchcodec was not compiled with nvJPEG support")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpujpeg, "_FACTORIES", {"torchvision": lambda: _stub("torchvision", no_nvjpeg),
+                                                "torchcodec": lambda: _stub("torchcodec")})
+    assert gpujpeg.find().name == "torchcodec" and gpujpeg.gpu_capable(gpujpeg.find())
+    with pytest.raises(UserError, match="torchvision: RuntimeError: torchcodec was not compiled with nvJPEG"):
+        gpujpeg.require("torchvision")
+    monkeypatch.setattr(gpujpeg, "_found", {})
+    monkeypatch.setattr(gpujpeg, "_FACTORIES", {"torchvision": lambda: None,
+                                                "torchcodec": lambda: _stub("torchcodec", no_nvjpeg)})
+    assert gpujpeg.find() is None and not gpujpeg.gpu_capable(gpujpeg.find())
+    with pytest.raises(UserError, match="torchvision: not installed.*torchcodec: RuntimeError.*--decode cpu"):
+        gpujpeg.require()
+
+
+def test_torchvisions_op_comes_first_where_both_decode(monkeypatch, fresh_lookup):
+    monkeypatch.setattr(gpujpeg, "_FACTORIES", {"torchvision": lambda: _stub("torchvision"),
+                                                "torchcodec": lambda: _stub("torchcodec")})
+    assert gpujpeg.find().name == "torchvision"  # the one measured on the H200
+
+
+def test_device_errors_are_not_bad_images():
+    """Out of memory, or a CUDA fault of earlier kernels surfacing at the decoder's sync, is no
+    bad file: it propagates instead of sending the batch image by image to the CPU."""
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("CUDA error: an illegal memory access")):
+        with pytest.raises(type(error)):
+            _stub("oom", error).decode([torch.zeros(4, dtype=torch.uint8)] * 2, CPU)
+    assert _stub("bad", RuntimeError("Not a JPEG file")).decode([torch.zeros(4, dtype=torch.uint8)] * 2, CPU) == \
+        [None, None]
 
 
 def test_an_image_of_another_shape_than_its_header_is_decoded_again_on_the_cpu(files):

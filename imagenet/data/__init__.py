@@ -11,7 +11,7 @@
 * ``decode`` -- the fast CPU path: decode, crop, resize and flip in the workers (PIL).
 * ``cropbatch`` -- ``--decode cpu`` on a GPU: workers crop, the device resizes and flips.
 * ``gpudecode`` -- ``--decode gpu``: workers read bytes and draw crops, nvJPEG decodes.
-* ``gpujpeg`` -- the GPU JPEG decoder behind one interface (TorchCodec, else torchvision's op).
+* ``gpujpeg`` -- the GPU JPEG decoder behind one interface (torchvision's nvJPEG op, else TorchCodec).
 * ``decodechoice`` -- ``--decode auto``: CPU or GPU decoding from what the machine has.
 * ``inputaccount`` -- where a ``--decode gpu`` batch's time goes, per stage, per epoch.
 * ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds

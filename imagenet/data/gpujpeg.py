@@ -2,15 +2,11 @@
 (1-D uint8 CPU tensors) in, a list of RGB CHW uint8 images on the device out, ``None`` where
 an image could not be decoded.
 
-Two implementations, the first one importable wins (``IMAGENET_GPU_JPEG=torchcodec`` or
-``=torchvision`` picks one, for measurements):
+Two implementations; the first that decodes a small JPEG on this GPU wins
+(``IMAGENET_GPU_JPEG=torchcodec`` or ``=torchvision`` picks one, for measurements). torchvision's
+comes first: it is the one measured on an H200 (docs/BENCHMARKS.md, DD3); TorchCodec takes over
+where torchvision's op is gone or cannot decode on the GPU (a CPU build).
 
-* ``torchcodec`` -- TorchCodec's ``decode_jpeg`` (torchcodec >= 0.16, which needs no FFmpeg for
-  images): the successor torchvision 0.29 names for its image decoders. One batched nvJPEG
-  call, like torchvision's, but on the caller's stream (ours, high priority) rather than a pool
-  stream of its own. It applies EXIF orientation, which the CPU path does not: the workers
-  send EXIF-rotated JPEGs to the CPU decoder (:mod:`imagenet.data.gpudecode`), so every backend
-  sees only unrotated ones.
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
   behind ``torchvision.io.decode_jpeg(list, device="cuda")``. torchvision 0.29 deprecates its
   image decoders in favour of TorchCodec: its Python wrapper warns on every call (a
@@ -18,18 +14,26 @@ Two implementations, the first one importable wins (``IMAGENET_GPU_JPEG=torchcod
   nothing warns per batch; the deprecation is stated once, in the banner's pipeline line and
   docs/INPUT.md. When torchvision drops the op this backend reports itself missing and the
   message says to install TorchCodec.
+* ``torchcodec`` -- TorchCodec's ``decode_jpeg`` (torchcodec >= 0.16, which needs no FFmpeg for
+  images): the successor torchvision 0.29 names for its image decoders. One batched nvJPEG
+  call, like torchvision's, but on the caller's stream (ours, high priority) rather than a pool
+  stream of its own. It applies EXIF orientation, which the CPU path does not: the workers
+  send EXIF-rotated JPEGs to the CPU decoder (:mod:`imagenet.data.gpudecode`), so every backend
+  sees only unrotated ones. Its CPU wheels have no nvJPEG and fail every CUDA call: the probe
+  leaves them out.
 
 Both take the whole batch in one call, first wait on the host for the caller's stream to be
 idle (nvJPEG's hardware path does not order its writes after work queued before it), decode
 baseline JPEGs on the GPU's hardware JPEG engines where it has them (A100, H100, H200) and
 host-synchronise before returning: the calling thread waits for the decode, the training stream
 does not. One bad image fails the batched call; then the batch is decoded image by image, and
-the ones that still fail come back as ``None``. On a CPU device (the tests) both decode with
-libjpeg.
+the ones that still fail come back as ``None``; out-of-memory and CUDA errors are not a bad
+image and propagate. On a CPU device (the tests) both decode with libjpeg.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Callable, Optional
 
@@ -38,7 +42,16 @@ import torch
 from ..base.errors import UserError
 
 ENV = "IMAGENET_GPU_JPEG"
-BACKENDS = ("torchcodec", "torchvision")
+BACKENDS = ("torchvision", "torchcodec")  # the order "auto" tries them in
+INSTALL = "pip install -U 'torchcodec>=0.16'"
+
+
+def _not_a_bad_image(e: Exception) -> bool:
+    """Errors of the device, not of one file: out of memory, and CUDA errors (a fault of earlier
+    kernels surfaces at the decoder's synchronisation)."""
+    device_errors = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError,
+                                      getattr(torch, "AcceleratorError", None)) if t is not None)
+    return isinstance(e, device_errors) or "CUDA error" in str(e)
 
 
 class JpegDecoder:
@@ -54,12 +67,16 @@ class JpegDecoder:
             return []
         try:
             return list(self._batched(datas, device))
-        except RuntimeError:  # one bad file fails the batched call: decode one by one
+        except RuntimeError as e:  # one bad file fails the batched call: decode one by one
+            if _not_a_bad_image(e):
+                raise
             out = []
             for data in datas:
                 try:
                     out.append(self._single(data, device))
-                except RuntimeError:
+                except RuntimeError as e:
+                    if _not_a_bad_image(e):
+                        raise
                     out.append(None)
             return out
 
@@ -74,10 +91,12 @@ def _torchcodec() -> Optional[JpegDecoder]:
         return None
 
     def batched(datas, device):
+        if device.type == "cuda":  # as torchvision's below: its writes are not ordered after ours
+            torch.cuda.current_stream(device).synchronize()
         return decode_jpeg(datas, mode="RGB", device=device)
 
     def single(data, device):
-        return decode_jpeg(data, mode="RGB", device=device)
+        return batched([data], device)[0]
     return JpegDecoder("torchcodec", batched, single)
 
 
@@ -109,25 +128,55 @@ _FACTORIES = {"torchcodec": _torchcodec, "torchvision": _torchvision}
 _found: dict = {}
 
 
+_failed: dict = {}  # backend -> why it could not decode on this GPU
+
+
+def _probe_jpeg() -> torch.Tensor:
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new("RGB", (16, 8), (200, 30, 90)).save(out, "JPEG", quality=90)
+    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+
+
+def probe(decoder: JpegDecoder, device: torch.device) -> Optional[str]:
+    """Why ``decoder`` cannot decode on ``device`` (None: it decoded a 16x8 JPEG there)."""
+    try:
+        image = decoder._batched([_probe_jpeg()], device)[0]
+    except Exception as e:  # a CPU build, a library without nvJPEG, a driver it does not support
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    if tuple(image.shape) != (3, 8, 16):
+        return f"it decoded a 16x8 JPEG as {tuple(image.shape)}"
+    return None
+
+
 def find(name: Optional[str] = None) -> Optional[JpegDecoder]:
     """The decoder ``name`` asks for (default: ``$IMAGENET_GPU_JPEG``, else the first of
-    :data:`BACKENDS` that imports), or None where none does. Looked up once per process."""
+    :data:`BACKENDS` that imports and, where a CUDA GPU is visible, decodes a small JPEG on it),
+    or None where none does. Looked up once per process."""
     name = name or os.environ.get(ENV, "auto") or "auto"
     if name not in _found:
         if name != "auto" and name not in _FACTORIES:
             raise UserError(f"{ENV}={name} names no JPEG decoder; choose one of auto, {', '.join(BACKENDS)}")
-        order = BACKENDS if name == "auto" else (name,)
-        _found[name] = next((d for d in (_FACTORIES[b]() for b in order) if d is not None), None)
+        cuda = torch.cuda.is_available()
+        _found[name] = None
+        for backend in BACKENDS if name == "auto" else (name,):
+            decoder = _FACTORIES[backend]()
+            why = None if decoder is None or not cuda else probe(decoder, torch.device("cuda"))
+            if decoder is not None and why is None:
+                _found[name] = decoder
+                break
+            _failed[backend] = why or "not installed (or its libraries do not load)"
     return _found[name]
 
 
 def require(name: Optional[str] = None) -> JpegDecoder:
-    """:func:`find`, or a UserError saying what to install."""
+    """:func:`find`, or a UserError saying why each decoder cannot run and what to install."""
     decoder = find(name)
     if decoder is None:
         asked = name or os.environ.get(ENV, "auto")
-        raise UserError(f"--decode gpu found no GPU JPEG decoder ({ENV}={asked}): install TorchCodec "
-                        "(pip install torchcodec), or use --decode cpu")
+        tried = "; ".join(f"{b}: {why}" for b, why in _failed.items() if asked == "auto" or b == asked)
+        raise UserError(f"--decode gpu found no JPEG decoder that runs on this GPU ({ENV}={asked}; {tried}): "
+                        f"{INSTALL}, or use --decode cpu")
     return decoder
 
 
@@ -135,16 +184,17 @@ def describe(decoder: JpegDecoder) -> str:
     """The decoder for the banner; for torchvision's, its deprecation and the way forward."""
     if decoder.name == "torchvision":
         return ("torchvision's op; torchvision 0.29 deprecates its image decoders for TorchCodec, "
-                "used instead once installed: pip install torchcodec")
+                f"used when torchvision's op is gone: {INSTALL}")
     return decoder.name
 
 
 def gpu_capable(decoder: Optional[JpegDecoder]) -> bool:
-    """Whether ``decoder`` can decode on a CUDA device in this build (torchvision's op exists
-    in CPU builds too, where it refuses to run)."""
+    """Whether ``decoder`` can decode on a CUDA device here: :func:`find` probed it where a GPU
+    is visible; without one, whether this build could (torchvision's op exists in CPU builds
+    too, where it refuses to run)."""
     if decoder is None:
         return False
-    if decoder.name == "torchvision":
+    if decoder.name == "torchvision" and not torch.cuda.is_available():
         import torchvision
         return torchvision.version.cuda is not None
     return True

@@ -57,14 +57,16 @@ class Machine:
     gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpujpeg)
 
     @classmethod
-    def of(cls, ctx) -> "Machine":
-        """This process's machine, from its launch context."""
+    def of(cls, ctx, decode: str = "auto") -> "Machine":
+        """This process's machine, from its launch context. Whether a GPU JPEG decoder runs here
+        is looked up (a probe decode on the GPU) only for ``--decode auto``, the one choice it
+        decides; ``--decode gpu`` finds its decoder when the loaders are built."""
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
         gpus_here = local_processes(ctx) * gpus_per_process
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
-                   gpus_per_process=gpus_per_process, gpu_decode=cuda and gpu_decoder_available())
+                   gpus_per_process=gpus_per_process, gpu_decode=cuda and decode == "auto" and gpu_decoder_available())
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def resolved(cfg: Config, ctx) -> Config:
     from a config of their own (benchmarks, tests)."""
     if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
         return cfg
-    return resolve(cfg, Machine.of(ctx)).apply(cfg)
+    return resolve(cfg, Machine.of(ctx, cfg.decode)).apply(cfg)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
