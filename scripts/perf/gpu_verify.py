@@ -881,8 +881,9 @@ def phase_decode(args) -> None:
     (--decode-epochs; main.py leaves each epoch's first steps out), with the GPU's idle share and
     the share of the synthetic step; then where a --decode gpu batch's time went (input_stages,
     medians of the same epochs), what each input-bound epoch's line said, the hardware JPEG
-    engines' use, and what --decode auto chooses here. --decode-tests runs those tests first, in
-    the same call. Rows run in order of importance (per mode: synthetic, GPU decode, CPU decode)
+    engines' use, and what --decode auto chooses here. With --old DIR (an older commit's tree) each
+    --decode gpu row also runs from that tree right after this one's, for a before/after column.
+    --decode-tests runs those tests first, in the same call. Rows run in order of importance (per mode: synthetic, GPU decode, CPU decode)
     within --decode-budget seconds (the tests' time included), each under --decode-timeout; a row
     that would start past the budget is reported as not run."""
     if visible_gpus() == 0:
@@ -890,6 +891,9 @@ def phase_decode(args) -> None:
     modes = args.decode_modes.split(",")
     if set(modes) - set(DECODE_MODES):
         fail(f"--decode-modes: {args.decode_modes!r}; choose from {','.join(DECODE_MODES)}")
+    old = os.path.abspath(args.old) if args.old else None
+    if old and not os.path.isfile(os.path.join(old, "main.py")):
+        fail(f"--old {args.old!r} holds no main.py: give the older commit's tree (git archive COMMIT | tar -x -C DIR)")
     t0 = time.time()
     g0 = {"CUDA_VISIBLE_DEVICES": "0"}
     tested = None
@@ -912,6 +916,9 @@ def phase_decode(args) -> None:
             for w in workers:
                 runs.append((f"{decode}-j{w}-{mode}", mode, decode, w,
                              f"{PY} main.py {data} {common}{flags} --decode {decode} -j {w}"))
+                if old and decode == "gpu":  # the same command from the older tree, right after
+                    runs.append((f"old-{decode}-j{w}-{mode}", mode, f"old-{decode}", w,
+                                 f"{PY} main.py {data} {common}{flags} --decode {decode} -j {w}"))
     auto = _decode_auto(workers)
     results, engines = [], {}
     for name, mode, decode, w, cmd in runs:
@@ -921,8 +928,9 @@ def phase_decode(args) -> None:
             continue
         dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True)
-                if decode == "gpu" and shutil.which("nvidia-smi") else None)
-        res = run_group([{"name": name, "cmd": f"timeout {int(min(left, args.decode_timeout))} {cmd}", "env": g0}],
+                if decode in ("gpu", "old-gpu") and shutil.which("nvidia-smi") else None)
+        here = f"cd {old} && " if decode.startswith("old-") else ""  # the older tree's rows run there
+        res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}", "env": g0}],
                         args)[0]
         if dmon is not None:
             dmon.terminate()
@@ -945,7 +953,7 @@ def phase_decode(args) -> None:
     print(f"\n| input | workers | {head} |\n| --- | ---: |" + " ---: | --- | ---: | ---: |" * len(modes))
     print("| synthetic step (main.py --dummy) | | " + " | ".join(
         f"{synthetic[m]:.0f} | | | 100" if synthetic.get(m) else "not run | | |" for m in modes) + " |")
-    for decode in ("cpu", "gpu"):
+    for decode in ("cpu", "gpu") + (("old-gpu",) if old else ()):
         for w in workers:
             cells = []
             for m in modes:
@@ -958,7 +966,7 @@ def phase_decode(args) -> None:
                     med, lo, hi, wait = rates
                     share = f"{100 * med / synthetic[m]:.1f}" if synthetic.get(m) else ""
                     cells.append(f"{med:.0f} | {lo:.0f}..{hi:.0f} | {wait:.3f} | {share}")
-            label = "CPU decode" if decode == "cpu" else "`--decode gpu`"
+            label = {"cpu": "CPU decode", "gpu": "`--decode gpu`", "old-gpu": f"`--decode gpu`, {old}"}[decode]
             print(f"| {label} | {w} | " + " | ".join(cells) + " |")
     accounts = {(w, m): v for (decode, w, m), v in rows.items() if decode == "gpu" and v[1]}
     keys = next(iter(accounts.values()))[1].keys() if accounts else []
@@ -1188,7 +1196,7 @@ def main() -> int:
     p.add_argument("--compile-modes", default="off,default,reduce-overhead,max-autotune",
                    help="suite: --compile modes of the ResNet-50 run")
     p.add_argument("--budget", type=float, default=540, help="suite: seconds for the whole phase")
-    p.add_argument("--old", help="defaults: the tree of the commit to compare against (git archive COMMIT)")
+    p.add_argument("--old", help="defaults, decode: the tree of the commit to compare against (git archive COMMIT)")
     p.add_argument("--defaults-rows", default=",".join(DEFAULTS_ROWS), help="defaults: rows to time, in order")
     p.add_argument("--defaults-epochs", type=int, default=4, help="defaults: epochs of each timed row")
     p.add_argument("--defaults-steps", type=int, default=30, help="defaults: steps of each epoch")
@@ -1223,6 +1231,7 @@ def main() -> int:
                    help="decode: test paths to run first in the same call, e.g. 'tests/test_gpudecode.py "
                         "tests/test_gpugeometry.py tests/test_input_account.py'")
     args = p.parse_args()
+    args.out = os.path.abspath(args.out)  # rows of an --old tree run from there
     os.makedirs(args.out, exist_ok=True)
     {"smoke": phase_smoke, "suite": phase_suite, "e2e": phase_e2e, "precision": phase_precision, "multigpu": phase_multigpu, "bench": phase_bench,
      "recipe": phase_recipe, "jpeg": phase_jpeg, "scaling": phase_scaling, "shrink": phase_shrink,
