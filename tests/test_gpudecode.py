@@ -149,8 +149,7 @@ def _stub(name, fails=None):
 
 @pytest.fixture
 def fresh_lookup(monkeypatch):
-    monkeypatch.setattr(gpujpeg, "_found", {})
-    monkeypatch.setattr(gpujpeg, "_failed", {})
+    monkeypatch.setattr(gpujpeg, "_lookups", {})
     monkeypatch.delenv(gpujpeg.ENV, raising=False)
 
 
@@ -165,7 +164,7 @@ def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fre
     assert gpujpeg.find().name == "torchcodec" and gpujpeg.gpu_capable(gpujpeg.find())
     with pytest.raises(UserError, match="torchvision: RuntimeError: torchcodec was not compiled with nvJPEG"):
         gpujpeg.require("torchvision")
-    monkeypatch.setattr(gpujpeg, "_found", {})
+    monkeypatch.setattr(gpujpeg, "_lookups", {})
     monkeypatch.setattr(gpujpeg, "_FACTORIES", {"torchvision": lambda: None,
                                                 "torchcodec": lambda: _stub("torchcodec", no_nvjpeg)})
     assert gpujpeg.find() is None and not gpujpeg.gpu_capable(gpujpeg.find())

@@ -42,8 +42,7 @@ class DecodeChoice:
 
 def gpu_decoder_available() -> bool:
     """Whether a JPEG decoder here decodes on CUDA devices (:mod:`imagenet.data.gpujpeg`:
-    TorchCodec, or a CUDA build of torchvision with its nvJPEG op; CPU builds register the op
-    too, and refuse to run it)."""
+    torchvision's nvJPEG op or TorchCodec, each tried on a small JPEG where a GPU is visible)."""
     return gpujpeg.gpu_capable(gpujpeg.find())
 
 

@@ -125,10 +125,7 @@ def _torchvision() -> Optional[JpegDecoder]:
 
 
 _FACTORIES = {"torchcodec": _torchcodec, "torchvision": _torchvision}
-_found: dict = {}
-
-
-_failed: dict = {}  # backend -> why it could not decode on this GPU
+_lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it was passed over}), once a process
 
 
 def _probe_jpeg() -> torch.Tensor:
@@ -149,32 +146,36 @@ def probe(decoder: JpegDecoder, device: torch.device) -> Optional[str]:
     return None
 
 
-def find(name: Optional[str] = None) -> Optional[JpegDecoder]:
-    """The decoder ``name`` asks for (default: ``$IMAGENET_GPU_JPEG``, else the first of
-    :data:`BACKENDS` that imports and, where a CUDA GPU is visible, decodes a small JPEG on it),
-    or None where none does. Looked up once per process."""
+def _lookup(name: Optional[str]) -> tuple:
+    """``(name, decoder or None, {backend: why it was passed over})`` for the name asked for."""
     name = name or os.environ.get(ENV, "auto") or "auto"
-    if name not in _found:
+    if name not in _lookups:
         if name != "auto" and name not in _FACTORIES:
             raise UserError(f"{ENV}={name} names no JPEG decoder; choose one of auto, {', '.join(BACKENDS)}")
-        cuda = torch.cuda.is_available()
-        _found[name] = None
+        cuda, found, passed_over = torch.cuda.is_available(), None, {}
         for backend in BACKENDS if name == "auto" else (name,):
             decoder = _FACTORIES[backend]()
             why = None if decoder is None or not cuda else probe(decoder, torch.device("cuda"))
             if decoder is not None and why is None:
-                _found[name] = decoder
+                found = decoder
                 break
-            _failed[backend] = why or "not installed (or its libraries do not load)"
-    return _found[name]
+            passed_over[backend] = why or "not installed (or its libraries do not load)"
+        _lookups[name] = (found, passed_over)
+    return (name, *_lookups[name])
+
+
+def find(name: Optional[str] = None) -> Optional[JpegDecoder]:
+    """The decoder ``name`` asks for (default: ``$IMAGENET_GPU_JPEG``, else the first of
+    :data:`BACKENDS` that imports and, where a CUDA GPU is visible, decodes a small JPEG on it),
+    or None where none does. Looked up once per process."""
+    return _lookup(name)[1]
 
 
 def require(name: Optional[str] = None) -> JpegDecoder:
     """:func:`find`, or a UserError saying why each decoder cannot run and what to install."""
-    decoder = find(name)
+    asked, decoder, passed_over = _lookup(name)
     if decoder is None:
-        asked = name or os.environ.get(ENV, "auto")
-        tried = "; ".join(f"{b}: {why}" for b, why in _failed.items() if asked == "auto" or b == asked)
+        tried = "; ".join(f"{b}: {why}" for b, why in passed_over.items())
         raise UserError(f"--decode gpu found no JPEG decoder that runs on this GPU ({ENV}={asked}; {tried}): "
                         f"{INSTALL}, or use --decode cpu")
     return decoder
