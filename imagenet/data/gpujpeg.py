@@ -41,6 +41,7 @@ errors are not a bad image and propagate. On a CPU device (the tests) each decod
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import io
 import os
 import tempfile
@@ -121,14 +122,16 @@ def _pil_chw(data: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
 
 
-def _jpeg_extension_only(nvimgcodec) -> None:
-    """Point nvImageCodec at its JPEG extension alone (unless the user set
-    ``NVIMGCODEC_EXTENSIONS_PATH``): its JPEG 2000 and TIFF extensions print install advice for
-    libraries they miss on every decoder's creation. The extension then loads from a folder of
-    links, where its run path no longer finds the nvJPEG wheel's library: that is loaded first."""
-    if "NVIMGCODEC_EXTENSIONS_PATH" in os.environ:
+def _jpeg_extension_only() -> None:
+    """Point nvImageCodec at its JPEG extension alone, before it is imported (unless the user set
+    ``NVIMGCODEC_EXTENSIONS_PATH``): on import it loads every extension, and its JPEG 2000 and
+    TIFF ones print install advice for libraries they miss. The extension then loads from a
+    folder of links, where its run path no longer finds the nvJPEG wheel's library: that is
+    loaded first."""
+    spec = importlib.util.find_spec("nvidia.nvimgcodec") if importlib.util.find_spec("nvidia") else None
+    if "NVIMGCODEC_EXTENSIONS_PATH" in os.environ or spec is None or not spec.origin:
         return
-    package = Path(nvimgcodec.__file__).parent
+    package = Path(spec.origin).parent
     extensions = sorted((package / "extensions").glob("libnvjpeg_ext.so*"))
     if not extensions:
         return
@@ -149,12 +152,12 @@ def _nvimgcodec() -> Optional[JpegDecoder]:
         raise UserError(f"{NVIMGCODEC_ENV}={os.environ.get(NVIMGCODEC_ENV)!r}: give nvImageCodec's backends in "
                         f"order, of {', '.join(NVIMGCODEC_KINDS)} (default hw,gpu)")
     try:
+        _jpeg_extension_only()
         from nvidia import nvimgcodec
-    except Exception:  # not installed, or its libraries do not load
+        params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
+                                         allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
+    except Exception:  # not installed, its libraries do not load, or a version with another interface
         return None
-    _jpeg_extension_only(nvimgcodec)
-    params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
-                                     allow_any_depth=False)
     per_device: dict = {}  # device index -> [its Decoder, the last full batch's images (their buffers reused)]
 
     def batched(datas, device):

@@ -872,8 +872,8 @@ def _decode_auto(workers: list) -> str:
     return out.stdout.strip() or out.stderr.strip()[-500:]
 
 
-def _decoders_alone(data: str, jpegs: list, batch: int) -> str:
-    """Each GPU JPEG decoder's own rate on the idle GPU (imagenet.data.gpujpeg, the call --decode
+def _decoders_alone(data: str, batch: int) -> str:
+    """Every GPU JPEG decoder's own rate on the idle GPU (imagenet.data.gpujpeg, the call --decode
     gpu makes): the median of 5 passes over up to 8 batches of the folder's training JPEGs,
     after one warm-up pass; the hardware JPEG engines' use over the passes."""
     code = f"""
@@ -883,7 +883,7 @@ from imagenet.data import gpujpeg
 paths = sorted(glob.glob(os.path.join({data!r}, 'train', '*', '*')))[:{8 * batch}]
 datas = [torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.uint8) for p in paths]
 dev = torch.device('cuda')
-for name in {jpegs!r}:
+for name in gpujpeg.BACKENDS:
     decoder = gpujpeg.find(name)
     if decoder is None:
         print(f'- {{name}}: not available here'); continue
@@ -959,7 +959,7 @@ def phase_decode(args) -> None:
                     runs.append((f"old-gpu-j{w}-{mode}", mode, "old-gpu", w,
                                  f"{PY} main.py {data} {common}{flags} --decode gpu -j {w}"))
     auto = _decode_auto(workers)
-    alone = _decoders_alone(data, jpegs, batch)
+    alone = _decoders_alone(data, batch)
     results, engines = [], {}
     for name, mode, decode, w, cmd in runs:
         left = args.decode_budget - (time.time() - t0)
