@@ -390,8 +390,9 @@ def test_on_the_gpu_every_image_arrives_once_with_the_cpu_paths_crop(files, tmp_
 @pytest.mark.parametrize("other", ["torchcodec", "nvimgcodec"])
 def test_the_decoders_agree_on_the_gpu(files, other):
     """TorchCodec and nvImageCodec (where installed) against torchvision's op: TorchCodec is the
-    same nvJPEG decode; nvImageCodec's hardware engines upsample chroma their own way, within a
-    few levels. Each image is an RGB CHW view of its own shape."""
+    same nvJPEG decode; nvImageCodec upsamples chroma its own way (on the H200, 2.4 levels apart
+    on average on these small colour photos, 16 at most): the bounds catch a wrong channel order
+    or stride, not that. Each image is an RGB CHW view of its own shape."""
     codec, vision = gpujpeg.find(other), gpujpeg.find("torchvision")
     if codec is None or vision is None:
         pytest.skip(f"needs both {other} and torchvision's nvJPEG op")
@@ -401,5 +402,6 @@ def test_the_decoders_agree_on_the_gpu(files, other):
         for x, y in zip(a, b):
             diff = (x.int() - y.int()).abs()
             assert x.shape == y.shape and x.dtype == torch.uint8 and x.device.type == "cuda"
-            assert diff.float().mean() < 1.5 and diff.max() <= (2 if other == "torchcodec" else 40), \
+            assert diff.float().mean() < (1.0 if other == "torchcodec" else 3.0) and \
+                diff.max() <= (2 if other == "torchcodec" else 40), \
                 (other, diff.float().mean(), diff.max())

@@ -115,11 +115,15 @@ def _torchcodec() -> Optional[JpegDecoder]:
     return JpegDecoder("torchcodec", batched, single)
 
 
-def _pil_chw(data: torch.Tensor) -> torch.Tensor:
-    """libjpeg's RGB pixels of one JPEG (through PIL), as a CHW view of HWC memory."""
+def _pil_chw(data: torch.Tensor) -> Optional[torch.Tensor]:
+    """libjpeg's RGB pixels of one JPEG (through PIL), as a CHW view of HWC memory; None where
+    PIL cannot read it (as nvImageCodec answers for an image it cannot decode)."""
     from PIL import Image
-    with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-        return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+            return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+    except Exception:
+        return None
 
 
 def _jpeg_extension_only() -> None:
