@@ -135,7 +135,7 @@ def test_the_decoder_is_found_and_named(monkeypatch):
     with pytest.raises(UserError, match="names no JPEG decoder"):
         gpujpeg.find()
     if gpujpeg.find("torchcodec") is None:
-        with pytest.raises(UserError, match=r"torchcodec: not installed.*pip install nvidia-nvimgcodec-cu13"):
+        with pytest.raises(UserError, match=r"torchcodec: not installed.*torchcodec>=0.16.*nvidia-nvimgcodec-cu13"):
             gpujpeg.require("torchcodec")
     monkeypatch.setenv(gpujpeg.ENV, "nvimgcodec")
     monkeypatch.setenv(gpujpeg.NVIMGCODEC_ENV, "hw,nvdec")
@@ -173,20 +173,21 @@ def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fre
     monkeypatch.setattr(gpujpeg, "_FACTORIES", {"nvimgcodec": lambda: None, "torchvision": lambda: None,
                                                 "torchcodec": lambda: _stub("torchcodec", no_nvjpeg)})
     assert gpujpeg.find() is None and not gpujpeg.gpu_capable(gpujpeg.find())
-    with pytest.raises(UserError, match="nvimgcodec: not installed.*torchvision: not installed.*torchcodec: "
-                                        "RuntimeError.*nvidia-nvimgcodec-cu13.*--decode cpu"):
+    with pytest.raises(UserError, match="torchvision: not installed.*torchcodec: RuntimeError.*nvimgcodec: "
+                                        "not installed.*nvidia-nvimgcodec-cu13.*--decode cpu"):
         gpujpeg.require()
 
 
-def test_nvimgcodec_comes_first_then_torchvisions_op(monkeypatch, fresh_lookup):
-    """nvImageCodec decodes on the hardware JPEG engines, off the CUDA cores the step runs on;
-    of the two CUDA-core decoders, torchvision's op is the one measured on the H200."""
+def test_the_decoders_are_tried_in_the_measured_order(monkeypatch, fresh_lookup):
+    """torchvision's op fed the H200's training step fastest; TorchCodec makes the same nvJPEG
+    call; nvImageCodec (slower there) takes over where neither is installed."""
     stubs = {name: (lambda name=name: _stub(name)) for name in ("torchcodec", "torchvision", "nvimgcodec")}
     monkeypatch.setattr(gpujpeg, "_FACTORIES", stubs)
-    assert gpujpeg.find().name == "nvimgcodec"
-    monkeypatch.setattr(gpujpeg, "_lookups", {})
-    monkeypatch.setitem(stubs, "nvimgcodec", lambda: None)
-    assert gpujpeg.find().name == "torchvision"
+    for missing, first in (("", "torchvision"), ("torchvision", "torchcodec"), ("torchcodec", "nvimgcodec")):
+        if missing:
+            monkeypatch.setitem(stubs, missing, lambda: None)
+        monkeypatch.setattr(gpujpeg, "_lookups", {})
+        assert gpujpeg.find().name == first
 
 
 def test_device_errors_are_not_bad_images():
@@ -390,9 +391,10 @@ def test_on_the_gpu_every_image_arrives_once_with_the_cpu_paths_crop(files, tmp_
 @pytest.mark.parametrize("other", ["torchcodec", "nvimgcodec"])
 def test_the_decoders_agree_on_the_gpu(files, other):
     """TorchCodec and nvImageCodec (where installed) against torchvision's op: TorchCodec is the
-    same nvJPEG decode; nvImageCodec upsamples chroma its own way (on the H200, 2.4 levels apart
-    on average on these small colour photos, 16 at most): the bounds catch a wrong channel order
-    or stride, not that. Each image is an RGB CHW view of its own shape."""
+    same nvJPEG decode; nvImageCodec's decode differs (on the H200, on these small colour photos,
+    2.4 levels apart on average and 16 at most with its default backends, 5.0 and 27 with the
+    hardware engines alone): the bounds catch a wrong channel order or stride, not that. Each
+    image is an RGB CHW view of its own shape."""
     codec, vision = gpujpeg.find(other), gpujpeg.find("torchvision")
     if codec is None or vision is None:
         pytest.skip(f"needs both {other} and torchvision's nvJPEG op")
@@ -402,6 +404,6 @@ def test_the_decoders_agree_on_the_gpu(files, other):
         for x, y in zip(a, b):
             diff = (x.int() - y.int()).abs()
             assert x.shape == y.shape and x.dtype == torch.uint8 and x.device.type == "cuda"
-            assert diff.float().mean() < (1.0 if other == "torchcodec" else 3.0) and \
+            assert diff.float().mean() < (1.0 if other == "torchcodec" else 6.0) and \
                 diff.max() <= (2 if other == "torchcodec" else 40), \
                 (other, diff.float().mean(), diff.max())

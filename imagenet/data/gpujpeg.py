@@ -4,16 +4,10 @@ strides: the geometry kernel reads each one as it lies), ``None`` where an image
 decoded.
 
 Three implementations; the first that decodes a small JPEG on this GPU wins
-(``IMAGENET_GPU_JPEG=nvimgcodec``, ``=torchvision`` or ``=torchcodec`` picks one, for
-measurements).
+(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec`` or ``=nvimgcodec`` picks one, for
+measurements). The order is measured: on an H200 training ResNet-50 from 4 workers, torchvision's
+op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
 
-* ``nvimgcodec`` -- NVIDIA's nvImageCodec (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``,
-  or ``-cu12``), an optional extra: baseline JPEGs on the GPU's hardware JPEG engines (A100,
-  H100, H200), which leave the CUDA cores to the training step; what the engines do not take goes
-  to nvJPEG's CUDA decoder (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them;
-  ``hybrid`` adds the CPU+GPU one). The decoded images are interleaved RGB (HWC), handed on as
-  CHW views; their buffers are reused batch after batch. Only its JPEG extension is loaded (its
-  other codecs print install advice for libraries a trainer never needs).
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
   behind ``torchvision.io.decode_jpeg(list, device="cuda")``: CUDA cores only (the H200's engines
   stayed idle under it, docs/BENCHMARKS.md DD3). torchvision 0.29 deprecates its image decoders
@@ -28,6 +22,17 @@ measurements).
   send EXIF-rotated JPEGs to the CPU decoder (:mod:`imagenet.data.gpudecode`), so every backend
   sees only unrotated ones. Its CPU wheels have no nvJPEG and fail every CUDA call: the probe
   leaves them out.
+* ``nvimgcodec`` -- NVIDIA's nvImageCodec (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``,
+  or ``-cu12``), an optional extra: baseline JPEGs on the GPU's hardware JPEG engines (A100,
+  H100, H200), meant to leave the CUDA cores to the training step (on the H200 its call still
+  took 66 ms of the decode thread's CPU a batch of 384 while the step ran; docs/BENCHMARKS.md
+  EE); what the engines do not take goes to nvJPEG's CUDA decoder
+  (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them; ``hybrid`` adds the
+  CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
+  colour photos 2.4 levels on average with ``hw,gpu``, 5.0 with ``hw`` alone), and its accuracy
+  on a real set is not measured. The decoded images are interleaved RGB (HWC), handed on as
+  CHW views; their buffers are reused batch after batch. Only its JPEG extension is loaded (its
+  other codecs print install advice for libraries a trainer never needs).
 
 Each takes the whole batch in one call, first waits on the host for the caller's stream to be
 idle (nvJPEG's hardware path does not order its writes after work queued before it, and
@@ -54,8 +59,11 @@ import torch
 from ..base.errors import UserError
 
 ENV = "IMAGENET_GPU_JPEG"
-BACKENDS = ("nvimgcodec", "torchvision", "torchcodec")  # the order "auto" tries them in
-INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg (CUDA 12: nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)"
+# the order "auto" tries them in: torchvision's op trained fastest on the H200 (73% of the step at
+# -j 4 against nvImageCodec's 62%, docs/BENCHMARKS.md EE); TorchCodec makes the same nvJPEG call
+BACKENDS = ("torchvision", "torchcodec", "nvimgcodec")
+INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
+           "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")
 NVIMGCODEC_ENV = "IMAGENET_NVIMGCODEC_BACKENDS"
 NVIMGCODEC_KINDS = {"hw": "HW_GPU_ONLY", "gpu": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
 NVIMGCODEC_THREADS = 4  # its host threads (parsing, the engines' submission); not one per core
@@ -275,10 +283,10 @@ def describe(decoder: JpegDecoder) -> str:
     deprecation and the way forward."""
     if decoder.name == "nvimgcodec":
         names = os.environ.get(NVIMGCODEC_ENV, "hw,gpu")
-        return f"nvImageCodec, backends {names} (hw: the GPU's hardware JPEG engines)"
+        return f"nvImageCodec, backends {names}; hw: the GPU's hardware JPEG engines"
     if decoder.name == "torchvision":
-        return ("torchvision's op, on the CUDA cores (the hardware JPEG engines need nvImageCodec: "
-                f"{INSTALL}); torchvision 0.29 deprecates it, nvImageCodec or TorchCodec take over when it is gone")
+        return ("torchvision's op, on the CUDA cores; torchvision 0.29 deprecates it, TorchCodec or nvImageCodec "
+                f"take over when it is gone: {INSTALL}")
     return f"{decoder.name}, on the CUDA cores"
 
 
