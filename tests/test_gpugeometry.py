@@ -49,12 +49,20 @@ def compare(seed=0, n=9, size=20, device="cpu") -> dict:
     ints, scales = G.table([img.shape[1:] for _, img, _ in full], samplings, [job.flip for *_, job in full],
                            [row for row, _, _ in full])
     # laid out backwards in one buffer: the first image (the kernel's base) lies above the others,
-    # whose addresses the table holds relative to it, negative
-    buffer = torch.empty(sum(img.numel() for _, img, _ in full), dtype=torch.uint8, device=device)
+    # whose addresses the table holds relative to it, negative; every other image as nvImageCodec
+    # leaves it, interleaved HWC with a padded row pitch, seen as CHW (the kernel takes its strides)
+    pad = 5
+    spans = [img.numel() + (img.shape[1] * pad if k % 2 else 0) for k, (_, img, _) in enumerate(full)]
+    buffer = torch.empty(sum(spans), dtype=torch.uint8, device=device)
     images, end = [], buffer.numel()
-    for _, img, _ in full:
-        end -= img.numel()
-        images.append(buffer[end:end + img.numel()].view(img.shape).copy_(img))
+    for k, ((_, img, _), span) in enumerate(zip(full, spans)):
+        end -= span
+        if k % 2:
+            h, w = img.shape[1:]
+            hwc = buffer[end:end + span].view(h, 3 * w + pad)[:, :3 * w].view(h, w, 3)
+            images.append(hwc.copy_(img.permute(1, 2, 0)).permute(2, 0, 1))
+        else:
+            images.append(buffer[end:end + span].view(img.shape).copy_(img))
     ready = torch.randint(0, 256, (1, size, size, 3), dtype=torch.uint8)
     a = _batched(images, ints.clone(), scales, ready, [n], size, torch.device(device))
     b = _per_image(images, ints, scales, ready, [n], size, torch.device(device))
@@ -88,7 +96,8 @@ def test_the_table_follows_the_boxes():
     assert ints[1, G.SRC] == 3 * 300 * 400 and ints[1, G.FLIP] == 1 and ints[1, G.ROW] == 0
     assert (ints[0, G.PIXEL], ints[0, G.CHANNEL]) == (1, 300 * 400)  # CHW planes
     hwc, _ = G.table([(300, 400)], [v], [False], [0], hwc=True)
-    assert (hwc[0, G.PIXEL], hwc[0, G.CHANNEL]) == (3, 1)  # interleaved pixels
+    assert (hwc[0, G.PIXEL], hwc[0, G.CHANNEL], hwc[0, G.LINE]) == (3, 1, 1200)  # interleaved pixels
+    assert ints[0, G.LINE] == 400
     assert scales[0].tolist() == pytest.approx([300 / 256, 400 / 341])
 
 

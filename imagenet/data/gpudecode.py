@@ -8,8 +8,8 @@ epoch). The worker's collate function lays the batch's targets, the geometry ker
 the compressed bytes in one shared-memory buffer, so a batch crosses to the training process as
 one file descriptor (no copy) instead of a list of bytes objects pickled through a pipe.
 
-On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvJPEG
-through TorchCodec or torchvision) decodes the batch, and one kernel
+On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvImageCodec
+on the GPU's hardware JPEG engines, else nvJPEG through torchvision or TorchCodec) decodes the batch, and one kernel
 (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear interpolation
 (PIL's filter, so the pixels match the CPU path within rounding) and flips every image of it,
 reading each decoded image where the decoder left it (the table holds each one's address
@@ -287,8 +287,6 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
     for k, (img, size) in enumerate(zip(images, sizes)):
         if img is not None and list(img.shape) != [3, *size]:
             images[k] = None
-        elif img is not None and not img.is_contiguous():  # libjpeg's HWC, seen as CHW (a CPU device)
-            images[k] = img.contiguous()
     bad_jobs = []
     for k in [k for k, img in enumerate(images) if img is None]:  # nvJPEG refused it (an odd JPEG)
         counts["gpu"] -= 1
@@ -324,14 +322,18 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
 def _batched(images: list, ints: torch.Tensor, scales: torch.Tensor, ready: torch.Tensor, ready_rows: list,
              size: int, device: torch.device) -> torch.Tensor:
     """uint8 NHWC batch: every crop/resize/flip in one kernel (see :mod:`imagenet.kernels.gpugeometry`),
-    each image read where it lies (CHW uint8 on ``device``): the table's SRC is its address
-    relative to the first image's, which the kernel takes as its base pointer."""
+    each image read where it lies (a CHW uint8 view on ``device``, of any strides): the table's SRC
+    is its address relative to the first image's, which the kernel takes as its base pointer."""
     out = torch.empty((len(images) + len(ready_rows), size, size, 3), dtype=torch.uint8, device=device)
     if images:
         # copies of the table (pinned on a GPU: they go over without a host wait), its SRC filled in
         ints, scales = (ints.pin_memory(), scales.pin_memory()) if device.type == "cuda" else (ints.clone(), scales)
-        addresses = torch.tensor([img.data_ptr() for img in images], dtype=torch.int64)
-        ints[:, gpugeometry.SRC] = addresses - addresses[0]
+        # each image's address and strides as the decoder laid it out (CHW planes, or a CHW view of
+        # interleaved HWC pixels with a padded row pitch)
+        layout = torch.tensor([[img.data_ptr(), img.stride(2), img.stride(0), img.stride(1)] for img in images],
+                              dtype=torch.int64)
+        layout[:, 0] -= layout[0, 0].clone()
+        ints[:, [gpugeometry.SRC, gpugeometry.PIXEL, gpugeometry.CHANNEL, gpugeometry.LINE]] = layout
         gpugeometry.launch(images[0], ints.to(device, non_blocking=True), scales.to(device, non_blocking=True), out)
     if ready_rows:  # already cropped and flipped by the worker
         rows = torch.tensor(ready_rows).to(device, non_blocking=True)

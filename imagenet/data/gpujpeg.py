@@ -1,19 +1,20 @@
 """The JPEG decoder of ``--decode gpu``, behind one small interface: a list of compressed images
-(1-D uint8 CPU tensors) in, a list of RGB CHW uint8 images on the device out, ``None`` where
-an image could not be decoded.
+(1-D uint8 CPU tensors) in, a list of RGB images on the device out (CHW uint8 views, of any
+strides: the geometry kernel reads each one as it lies), ``None`` where an image could not be
+decoded.
 
-Two implementations; the first that decodes a small JPEG on this GPU wins
-(``IMAGENET_GPU_JPEG=torchcodec`` or ``=torchvision`` picks one, for measurements). torchvision's
-comes first: it is the one measured on an H200 (docs/BENCHMARKS.md, DD3); TorchCodec takes over
-where torchvision's op is gone or cannot decode on the GPU (a CPU build).
+Three implementations; the first that decodes a small JPEG on this GPU wins
+(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec`` or ``=nvimgcodec`` picks one, for
+measurements). The order is measured: on an H200 training ResNet-50 from 4 workers, torchvision's
+op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
 
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
-  behind ``torchvision.io.decode_jpeg(list, device="cuda")``. torchvision 0.29 deprecates its
-  image decoders in favour of TorchCodec: its Python wrapper warns on every call (a
-  DeprecationWarning, shown under pytest and ``-W default``). The op is called directly, so
-  nothing warns per batch; the deprecation is stated once, in the banner's pipeline line and
-  docs/INPUT.md. When torchvision drops the op this backend reports itself missing and the
-  message says to install TorchCodec.
+  behind ``torchvision.io.decode_jpeg(list, device="cuda")``: CUDA cores only (the H200's engines
+  stayed idle under it, docs/BENCHMARKS.md DD3). torchvision 0.29 deprecates its image decoders
+  in favour of TorchCodec: its Python wrapper warns on every call (a DeprecationWarning, shown
+  under pytest and ``-W default``). The op is called directly, so nothing warns per batch; the
+  deprecation is stated once, in the banner's pipeline line and docs/INPUT.md. When torchvision
+  drops the op this backend reports itself missing and the message says what to install.
 * ``torchcodec`` -- TorchCodec's ``decode_jpeg`` (torchcodec >= 0.16, which needs no FFmpeg for
   images): the successor torchvision 0.29 names for its image decoders. One batched nvJPEG
   call, like torchvision's, but on the caller's stream (ours, high priority) rather than a pool
@@ -21,29 +22,51 @@ where torchvision's op is gone or cannot decode on the GPU (a CPU build).
   send EXIF-rotated JPEGs to the CPU decoder (:mod:`imagenet.data.gpudecode`), so every backend
   sees only unrotated ones. Its CPU wheels have no nvJPEG and fail every CUDA call: the probe
   leaves them out.
+* ``nvimgcodec`` -- NVIDIA's nvImageCodec (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``,
+  or ``-cu12``), an optional extra: baseline JPEGs on the GPU's hardware JPEG engines (A100,
+  H100, H200), meant to leave the CUDA cores to the training step (on the H200 its call still
+  took 66 ms of the decode thread's CPU a batch of 384 while the step ran; docs/BENCHMARKS.md
+  EE); what the engines do not take goes to nvJPEG's CUDA decoder
+  (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them; ``hybrid`` adds the
+  CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
+  colour photos 2.4 levels on average with ``hw,gpu``, 5.0 with ``hw`` alone), and its accuracy
+  on a real set is not measured. The decoded images are interleaved RGB (HWC), handed on as
+  CHW views; their buffers are reused batch after batch. Only its JPEG extension is loaded (its
+  other codecs print install advice for libraries a trainer never needs).
 
-Both take the whole batch in one call, first wait on the host for the caller's stream to be
-idle (nvJPEG's hardware path does not order its writes after work queued before it), decode
-baseline JPEGs on the GPU's hardware JPEG engines where it has them (A100, H100, H200) and
-host-synchronise before returning: the calling thread waits for the decode, the training stream
-does not. One bad image fails the batched call; then the batch is decoded image by image, and
-the ones that still fail come back as ``None``; out-of-memory and CUDA errors are not a bad
-image and propagate. On a CPU device (the tests) both decode with libjpeg.
+Each takes the whole batch in one call, first waits on the host for the caller's stream to be
+idle (nvJPEG's hardware path does not order its writes after work queued before it, and
+nvImageCodec reuses the last batch's buffers) and host-synchronises before returning: the calling
+thread waits for the decode, the training stream does not. A bad image fails torchvision's and
+TorchCodec's batched call; then the batch is decoded image by image, and the ones that still
+fail come back as ``None`` (nvImageCodec returns ``None`` for them itself); out-of-memory and CUDA
+errors are not a bad image and propagate. On a CPU device (the tests) each decodes with libjpeg.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import io
 import os
+import tempfile
+from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from ..base.errors import UserError
 
 ENV = "IMAGENET_GPU_JPEG"
-BACKENDS = ("torchvision", "torchcodec")  # the order "auto" tries them in
-INSTALL = "pip install -U 'torchcodec>=0.16'"
+# the order "auto" tries them in: torchvision's op trained fastest on the H200 (73% of the step at
+# -j 4 against nvImageCodec's 62%, docs/BENCHMARKS.md EE); TorchCodec makes the same nvJPEG call
+BACKENDS = ("torchvision", "torchcodec", "nvimgcodec")
+INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
+           "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")
+NVIMGCODEC_ENV = "IMAGENET_NVIMGCODEC_BACKENDS"
+NVIMGCODEC_KINDS = {"hw": "HW_GPU_ONLY", "gpu": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
+NVIMGCODEC_THREADS = 4  # its host threads (parsing, the engines' submission); not one per core
 
 
 def _not_a_bad_image(e: Exception) -> bool:
@@ -100,6 +123,80 @@ def _torchcodec() -> Optional[JpegDecoder]:
     return JpegDecoder("torchcodec", batched, single)
 
 
+def _pil_chw(data: torch.Tensor) -> Optional[torch.Tensor]:
+    """libjpeg's RGB pixels of one JPEG (through PIL), as a CHW view of HWC memory; None where
+    PIL cannot read it (as nvImageCodec answers for an image it cannot decode)."""
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+            return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+    except Exception:
+        return None
+
+
+def _jpeg_extension_only() -> None:
+    """Point nvImageCodec at its JPEG extension alone, before it is imported (unless the user set
+    ``NVIMGCODEC_EXTENSIONS_PATH``): on import it loads every extension, and its JPEG 2000 and
+    TIFF ones print install advice for libraries they miss. The extension then loads from a
+    folder of links, where its run path no longer finds the nvJPEG wheel's library: that is
+    loaded first."""
+    spec = importlib.util.find_spec("nvidia.nvimgcodec") if importlib.util.find_spec("nvidia") else None
+    if "NVIMGCODEC_EXTENSIONS_PATH" in os.environ or spec is None or not spec.origin:
+        return
+    package = Path(spec.origin).parent
+    extensions = sorted((package / "extensions").glob("libnvjpeg_ext.so*"))
+    if not extensions:
+        return
+    for lib in sorted(package.parent.glob("cu1*/lib/libnvjpeg.so.1*")) + sorted(package.parent.glob("nvjpeg/lib/libnvjpeg.so.1*")):
+        try:
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError:
+            continue
+    folder = tempfile.mkdtemp(prefix="imagenet-nvimgcodec-")
+    os.symlink(extensions[0], os.path.join(folder, extensions[0].name))
+    os.environ["NVIMGCODEC_EXTENSIONS_PATH"] = folder
+
+
+def _nvimgcodec() -> Optional[JpegDecoder]:
+    names = [n.strip() for n in os.environ.get(NVIMGCODEC_ENV, "hw,gpu").split(",") if n.strip()]
+    if not names or set(names) - set(NVIMGCODEC_KINDS):
+        raise UserError(f"{NVIMGCODEC_ENV}={os.environ.get(NVIMGCODEC_ENV)!r}: give nvImageCodec's backends in "
+                        f"order, of {', '.join(NVIMGCODEC_KINDS)} (default hw,gpu)")
+    try:
+        _jpeg_extension_only()
+        from nvidia import nvimgcodec
+        params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
+                                         allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
+    except Exception:  # not installed, its libraries do not load, or a version with another interface
+        return None
+    per_device: dict = {}  # device index -> [its Decoder, the last full batch's images (their buffers reused)]
+
+    def batched(datas, device):
+        if device.type != "cuda":
+            return [_pil_chw(d) for d in datas]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in per_device:
+            kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, NVIMGCODEC_KINDS[n])) for n in names]
+            per_device[index] = [nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=NVIMGCODEC_THREADS,
+                                                    backends=kinds), []]
+        decoder, pool = per_device[index]
+        stream = torch.cuda.current_stream(device)
+        stream.synchronize()  # the last batch's kernel has read the buffers that are reused now
+        streams = [nvimgcodec.CodeStream(d.numpy()) for d in datas]
+        reuse = pool[:len(streams)] if len(pool) >= len(streams) else None
+        images = decoder.decode(streams, images=reuse, params=params, cuda_stream=stream.cuda_stream)
+        if reuse is None and all(img is not None for img in images):
+            pool[:] = images
+        out = [None if img is None else torch.from_dlpack(img).permute(2, 0, 1) for img in images]
+        stream.synchronize()
+        return out
+
+    def single(data, device):
+        return batched([data], device)[0]
+    return JpegDecoder("nvimgcodec", batched, single)
+
+
 def _torchvision() -> Optional[JpegDecoder]:
     try:
         import torchvision.io.image as tv_image  # loads the image ops; warns only when one is called
@@ -124,7 +221,7 @@ def _torchvision() -> Optional[JpegDecoder]:
     return JpegDecoder("torchvision", batched, single)
 
 
-_FACTORIES = {"torchcodec": _torchcodec, "torchvision": _torchvision}
+_FACTORIES = {"nvimgcodec": _nvimgcodec, "torchcodec": _torchcodec, "torchvision": _torchvision}
 _lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it was passed over}), once a process
 
 
@@ -182,11 +279,15 @@ def require(name: Optional[str] = None) -> JpegDecoder:
 
 
 def describe(decoder: JpegDecoder) -> str:
-    """The decoder for the banner; for torchvision's, its deprecation and the way forward."""
+    """The decoder for the banner: which one, where it decodes, and for torchvision's its
+    deprecation and the way forward."""
+    if decoder.name == "nvimgcodec":
+        names = os.environ.get(NVIMGCODEC_ENV, "hw,gpu")
+        return f"nvImageCodec, backends {names}; hw: the GPU's hardware JPEG engines"
     if decoder.name == "torchvision":
-        return ("torchvision's op; torchvision 0.29 deprecates its image decoders for TorchCodec, "
-                f"used when torchvision's op is gone: {INSTALL}")
-    return decoder.name
+        return ("torchvision's op, on the CUDA cores; torchvision 0.29 deprecates it, TorchCodec or nvImageCodec "
+                f"take over when it is gone: {INSTALL}")
+    return f"{decoder.name}, on the CUDA cores"
 
 
 def gpu_capable(decoder: Optional[JpegDecoder]) -> bool:

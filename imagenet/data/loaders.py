@@ -103,7 +103,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
             decoder = gpujpeg.require()
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
-            pipeline = (f"fast, --decode gpu: workers read files, nvJPEG decodes ({gpujpeg.describe(decoder)}), one "
+            pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}), one "
                         "kernel crops, resizes and flips")
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
             train_tf = TrainCropReader(train_tf)

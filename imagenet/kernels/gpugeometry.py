@@ -31,11 +31,12 @@ try:  # Triton ships with CUDA builds of torch; TRITON_INTERPRET=1 runs the kern
 except ImportError:  # pragma: no cover - a torch without Triton
     triton = None
 
-# columns of the per-image table (int64); PIXEL and CHANNEL are the strides, in bytes, between
-# neighbouring pixels of a row and between colour planes (CHW: 1 and h*w; HWC: 3 and 1)
+# columns of the per-image table (int64); PIXEL, CHANNEL and LINE are the strides, in bytes, between
+# neighbouring pixels of a row, between colour planes and between rows (CHW: 1, h*w and w; HWC: 3,
+# 1 and 3*w, or a decoder's padded row pitch)
 (SRC, HEIGHT, WIDTH, TOP, LEFT, REGION_H, REGION_W, OFF_Y, OFF_X, FLIP, ROW, TAPS_Y, TAPS_X, PIXEL,
- CHANNEL) = range(15)
-COLUMNS = 15
+ CHANNEL, LINE) = range(16)
+COLUMNS = 16
 BLOCK = 256  # output pixels per program
 
 
@@ -88,7 +89,7 @@ def table(shapes: list, samplings: list, flips: list, rows: list, hwc: bool = Fa
     for (h, w), s, flip, row in zip(shapes, samplings, flips, rows):
         pixel, channel = (3, 1) if hwc else (1, h * w)
         rows_i.append([offset, h, w, s.top, s.left, s.region_h, s.region_w, s.off_y, s.off_x, int(flip), row,
-                       taps(s.scale_y), taps(s.scale_x), pixel, channel])
+                       taps(s.scale_y), taps(s.scale_x), pixel, channel, pixel * w])
         rows_f.append([s.scale_y, s.scale_x])
         offset += 3 * h * w
     ints = torch.tensor(rows_i, dtype=torch.int64).reshape(-1, COLUMNS)
@@ -141,7 +142,6 @@ if triton is not None:
         x = (pixel % size).to(tl.float32)
         row_ptr = ints + image * COLUMNS
         base = tl.load(row_ptr + 0)
-        width = tl.load(row_ptr + 2)
         top = tl.load(row_ptr + 3)
         left = tl.load(row_ptr + 4)
         region_h = tl.load(row_ptr + 5).to(tl.float32)
@@ -154,6 +154,7 @@ if triton is not None:
         taps_x = tl.load(row_ptr + 12)
         pixel_step = tl.load(row_ptr + 13)
         plane = tl.load(row_ptr + 14)
+        line_step = tl.load(row_ptr + 15)
         scale_y = tl.load(scales + image * 2)
         scale_x = tl.load(scales + image * 2 + 1)
         # the weights' sums, for the normalisation (separable: the 2-D sum is their product)
@@ -170,7 +171,7 @@ if triton is not None:
         b = tl.zeros([BLOCK], dtype=tl.float32)
         for ky in range(0, taps_y):
             iy, wy = _axis(y, off_y, scale_y, region_h, ky)
-            line = base + ((top + iy) * width + left) * pixel_step
+            line = base + (top + iy) * line_step + left * pixel_step
             for kx in range(0, taps_x):
                 ix, wx = _axis(x, off_x, scale_x, region_w, kx)
                 w = wy * wx

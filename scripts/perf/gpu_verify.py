@@ -872,6 +872,44 @@ def _decode_auto(workers: list) -> str:
     return out.stdout.strip() or out.stderr.strip()[-500:]
 
 
+def _decoders_alone(data: str, batch: int) -> str:
+    """Every GPU JPEG decoder's own rate on the idle GPU (imagenet.data.gpujpeg, the call --decode
+    gpu makes): the median of 5 passes over up to 8 batches of the folder's training JPEGs,
+    after one warm-up pass; the hardware JPEG engines' use over the passes."""
+    code = f"""
+import glob, os, statistics, sys, time, torch
+sys.path.insert(0, '.')
+from imagenet.data import gpujpeg
+paths = sorted(glob.glob(os.path.join({data!r}, 'train', '*', '*')))[:{8 * batch}]
+datas = [torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.uint8) for p in paths]
+dev = torch.device('cuda')
+for name in gpujpeg.BACKENDS:
+    decoder = gpujpeg.find(name)
+    if decoder is None:
+        print(f'- {{name}}: not available here'); continue
+    rates = []
+    for rep in range(6):
+        t0 = time.perf_counter()
+        for i in range(0, len(datas), {batch}):
+            out = decoder.decode(datas[i:i + {batch}], dev)
+        torch.cuda.synchronize()
+        if rep:
+            rates.append(len(datas) / (time.perf_counter() - t0))
+    bad = sum(x is None for x in out)
+    print(f'- {{name}}: {{statistics.median(rates):.0f}} img/s (spread {{min(rates):.0f}}..{{max(rates):.0f}}), '
+          f'{{len(datas)}} JPEGs, {{bad}} refused in the last batch')
+"""
+    dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None)
+    out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+    engines = ""
+    if dmon is not None:
+        dmon.terminate()
+        engines = f"\n- hardware JPEG engines over all of it: {jpeg_engine_use(dmon.communicate()[0])}"
+    return (out.stdout.strip() or out.stderr.strip()[-800:]) + engines
+
+
 def phase_decode(args) -> None:
     """Issue 28's table from one call: ResNet-50 --fp16 --channels-last -b --decode-batch end to end
     from the benchmark JPEGs (cut to --decode-per-class a class) with CPU decode and --decode gpu
@@ -903,6 +941,7 @@ def phase_decode(args) -> None:
         print(tail(os.path.join(args.out, "decode-tests", "log.txt"), 3), flush=True)
     data = decode_subset(args)
     workers = [int(w) for w in args.decode_workers.split(",")]
+    jpegs = [j for j in args.decode_jpeg.split(",") if j]  # GPU JPEG decoders, a row each (IMAGENET_GPU_JPEG)
     batch, epochs = args.decode_batch, args.decode_epochs
     common = f"-a resnet50 -b {batch} --fp16 --channels-last --epochs {epochs} -p 1000 --output-dir OUT"
     classes = len(os.listdir(os.path.join(data, "train")))
@@ -912,14 +951,15 @@ def phase_decode(args) -> None:
         flags = DECODE_MODES[mode]
         runs.append((f"synthetic-{mode}", mode, "synthetic", 0,
                      f"{PY} main.py --dummy --dummy-train-size {per_epoch} --dummy-val-size {batch} {common}{flags}"))
-        for decode in ("gpu", "cpu"):
+        for decode in [f"gpu:{j}" for j in jpegs] + ["cpu"]:
             for w in workers:
-                runs.append((f"{decode}-j{w}-{mode}", mode, decode, w,
-                             f"{PY} main.py {data} {common}{flags} --decode {decode} -j {w}"))
-                if old and decode == "gpu":  # the same command from the older tree, right after
-                    runs.append((f"old-{decode}-j{w}-{mode}", mode, f"old-{decode}", w,
-                                 f"{PY} main.py {data} {common}{flags} --decode {decode} -j {w}"))
+                runs.append((f"{decode.replace(':', '-')}-j{w}-{mode}", mode, decode, w,
+                             f"{PY} main.py {data} {common}{flags} --decode {decode.split(':')[0]} -j {w}"))
+                if old and decode == f"gpu:{jpegs[0]}":  # the same command from the older tree, right after
+                    runs.append((f"old-gpu-j{w}-{mode}", mode, "old-gpu", w,
+                                 f"{PY} main.py {data} {common}{flags} --decode gpu -j {w}"))
     auto = _decode_auto(workers)
+    alone = _decoders_alone(data, batch)
     results, engines = [], {}
     for name, mode, decode, w, cmd in runs:
         left = args.decode_budget - (time.time() - t0)
@@ -928,9 +968,10 @@ def phase_decode(args) -> None:
             continue
         dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True)
-                if decode in ("gpu", "old-gpu") and shutil.which("nvidia-smi") else None)
+                if "gpu" in decode and shutil.which("nvidia-smi") else None)
         here = f"cd {old} && " if decode.startswith("old-") else ""  # the older tree's rows run there
-        res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}", "env": g0}],
+        env = dict(g0, IMAGENET_GPU_JPEG=decode.split(":")[1]) if decode.startswith("gpu:") else g0
+        res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}", "env": env}],
                         args)[0]
         if dmon is not None:
             dmon.terminate()
@@ -953,7 +994,7 @@ def phase_decode(args) -> None:
     print(f"\n| input | workers | {head} |\n| --- | ---: |" + " ---: | --- | ---: | ---: |" * len(modes))
     print("| synthetic step (main.py --dummy) | | " + " | ".join(
         f"{synthetic[m]:.0f} | | | 100" if synthetic.get(m) else "not run | | |" for m in modes) + " |")
-    for decode in ("cpu", "gpu") + (("old-gpu",) if old else ()):
+    for decode in ["cpu"] + [f"gpu:{j}" for j in jpegs] + (["old-gpu"] if old else []):
         for w in workers:
             cells = []
             for m in modes:
@@ -966,16 +1007,17 @@ def phase_decode(args) -> None:
                     med, lo, hi, wait = rates
                     share = f"{100 * med / synthetic[m]:.1f}" if synthetic.get(m) else ""
                     cells.append(f"{med:.0f} | {lo:.0f}..{hi:.0f} | {wait:.3f} | {share}")
-            label = {"cpu": "CPU decode", "gpu": "`--decode gpu`", "old-gpu": f"`--decode gpu`, {old}"}[decode]
+            label = {"cpu": "CPU decode", "old-gpu": f"`--decode gpu`, {old}"}.get(
+                decode, f"`--decode gpu`, {decode.split(':')[-1]}")
             print(f"| {label} | {w} | " + " | ".join(cells) + " |")
-    accounts = {(w, m): v for (decode, w, m), v in rows.items() if decode == "gpu" and v[1]}
+    accounts = {(decode[4:], w, m): v for (decode, w, m), v in rows.items() if decode.startswith("gpu:") and v[1]}
     keys = next(iter(accounts.values()))[1].keys() if accounts else []
     print("\n--decode gpu, where a batch's time went (input_stages: ms a batch, medians of the measured epochs; "
           "worker stages are one worker's time for a batch; geometry and normalise are GPU time):")
     print("\n| row | " + " | ".join(keys) + " | decoded on GPU | fallbacks |")
     print("| --- |" + " ---: |" * (len(keys) + 2))
-    for (w, m), (_, stages, gpu, cpu, _) in accounts.items():
-        print(f"| gpu-j{w}-{m} | " + " | ".join(f"{stages.get(k, 0.0):.2f}" for k in keys) + f" | {gpu} | {cpu} |")
+    for (jpeg, w, m), (_, stages, gpu, cpu, _) in accounts.items():
+        print(f"| gpu-{jpeg}-j{w}-{m} | " + " | ".join(f"{stages.get(k, 0.0):.2f}" for k in keys) + f" | {gpu} | {cpu} |")
     print("\ninput-bound lines (the last of each row):")
     for name, *_, res in results:
         log = os.path.join(args.out, name, "log.txt")
@@ -985,6 +1027,7 @@ def phase_decode(args) -> None:
             print(f"- {name}: {lines[-1]}")
     for name, use in engines.items():
         print(f"hardware JPEG engines during {name}: {use}")
+    print(f"\nEach GPU JPEG decoder alone on the idle GPU (batches of {batch}, the folder's training JPEGs):\n" + alone)
     print("\n--decode auto here, one GPU:\n" + auto)
     if tested is not None:
         print(f"\ntests ({args.decode_tests}): exit {tested['rc']}, "
@@ -1221,6 +1264,8 @@ def main() -> int:
                    help="decode: step modes, of " + ", ".join(f"{k} (main.py{v or ' as typed'})" for k, v in
                                                                DECODE_MODES.items()))
     p.add_argument("--decode-batch", type=int, default=384, help="decode: -b of every row")
+    p.add_argument("--decode-jpeg", default="nvimgcodec,torchvision",
+                   help="decode: the GPU JPEG decoders (IMAGENET_GPU_JPEG), a --decode gpu row each")
     p.add_argument("--decode-epochs", type=int, default=4, help="decode: epochs of every row (the first is left out)")
     p.add_argument("--decode-per-class", type=int, default=64,
                    help="decode: training JPEGs a class (100 classes) of the benchmark folder each epoch reads")
