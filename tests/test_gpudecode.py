@@ -407,3 +407,27 @@ def test_the_decoders_agree_on_the_gpu(files, other):
             assert diff.float().mean() < (1.0 if other == "torchcodec" else 6.0) and \
                 diff.max() <= (2 if other == "torchcodec" else 40), \
                 (other, diff.float().mean(), diff.max())
+
+
+def test_the_decoder_benchmark_runs_alone_and_beside_a_load(files, tmp_path, capsys):
+    """scripts/perf/jpeg_decoders.py (issue 28's decoder alone and beside a training loop) on a CPU
+    device: a row per decoder, rates for both conditions; a load that cannot train and a folder
+    without JPEGs are refused with exit 2 instead of hanging or a traceback."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "jpeg_decoders", Path(__file__).resolve().parents[1] / "scripts" / "perf" / "jpeg_decoders.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    for k, path in enumerate(files["jpeg"]):
+        os.link(path, tmp_path / "train" / "a" / f"{k}.JPEG")
+    common = [str(tmp_path), "--device", "cpu", "--decoders", "torchvision", "--batch-size", "2", "--passes", "1",
+              "--load-size", "32"]
+    assert bench.main(common + ["--load-batch", "2"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| torchvision |"))
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert float(cells[0].split()[0]) > 0 and float(cells[2].split()[0]) > 0 and 0 < float(cells[1]) <= 1.05, cells
+    assert bench.main(common + ["--load-batch", "1"]) == 2  # BatchNorm cannot train on one image at 1x1
+    assert "the load's training step failed" in capsys.readouterr().err
+    assert bench.main([str(tmp_path / "train"), "--device", "cpu"]) == 2

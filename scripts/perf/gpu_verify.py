@@ -873,35 +873,13 @@ def _decode_auto(workers: list) -> str:
 
 
 def _decoders_alone(data: str, batch: int) -> str:
-    """Every GPU JPEG decoder's own rate on the idle GPU (imagenet.data.gpujpeg, the call --decode
-    gpu makes): the median of 5 passes over up to 8 batches of the folder's training JPEGs,
-    after one warm-up pass; the hardware JPEG engines' use over the passes."""
-    code = f"""
-import glob, os, statistics, sys, time, torch
-sys.path.insert(0, '.')
-from imagenet.data import gpujpeg
-paths = sorted(glob.glob(os.path.join({data!r}, 'train', '*', '*')))[:{8 * batch}]
-datas = [torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.uint8) for p in paths]
-dev = torch.device('cuda')
-for name in gpujpeg.BACKENDS:
-    decoder = gpujpeg.find(name)
-    if decoder is None:
-        print(f'- {{name}}: not available here'); continue
-    rates = []
-    for rep in range(6):
-        t0 = time.perf_counter()
-        for i in range(0, len(datas), {batch}):
-            out = decoder.decode(datas[i:i + {batch}], dev)
-        torch.cuda.synchronize()
-        if rep:
-            rates.append(len(datas) / (time.perf_counter() - t0))
-    bad = sum(x is None for x in out)
-    print(f'- {{name}}: {{statistics.median(rates):.0f}} img/s (spread {{min(rates):.0f}}..{{max(rates):.0f}}), '
-          f'{{len(datas)}} JPEGs, {{bad}} refused in the last batch')
-"""
+    """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
+    GPU, with the decode thread's CPU share in each (scripts/perf/jpeg_decoders.py), over up to 8
+    batches of the folder's training JPEGs; the hardware JPEG engines' use over all of it."""
     dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None)
-    out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
+                          str(8 * batch)], cwd=REPO, capture_output=True, text=True, timeout=400,
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
     engines = ""
     if dmon is not None:
@@ -1027,7 +1005,7 @@ def phase_decode(args) -> None:
             print(f"- {name}: {lines[-1]}")
     for name, use in engines.items():
         print(f"hardware JPEG engines during {name}: {use}")
-    print(f"\nEach GPU JPEG decoder alone on the idle GPU (batches of {batch}, the folder's training JPEGs):\n" + alone)
+    print(f"\nEach GPU JPEG decoder alone and beside a training loop (scripts/perf/jpeg_decoders.py):\n" + alone)
     print("\n--decode auto here, one GPU:\n" + auto)
     if tested is not None:
         print(f"\ntests ({args.decode_tests}): exit {tested['rc']}, "

@@ -1,0 +1,160 @@
+"""Each GPU JPEG decoder of ``--decode gpu`` alone, then beside a training step on the same GPU.
+
+    python scripts/perf/jpeg_decoders.py DIR [--batch-size 384] [--images 3072] [--passes 5]
+        [--decoders torchvision,torchcodec,nvimgcodec] [--load resnet50|none]
+
+Issue 28 measured torchvision's batched nvJPEG call at about 30,000 img/s on an idle H200, while
+in training the same call took 55 ms a batch of 384 (about 7,000 img/s), nearly all of it the
+decode thread's own CPU time. This tool separates the two conditions in one process, as the
+trainer has them: the decoder (``imagenet.data.gpujpeg``, the call ``--decode gpu`` makes) runs in
+one thread on a stream of its own; with ``--load resnet50`` another thread trains torchvision's
+ResNet-50 (fp16, channels_last, batch --load-batch) on its own stream meanwhile. For each decoder
+it prints img/s alone and under the load (the median of --passes passes over --images JPEGs of
+DIR's ``train`` folder, after one warm-up pass), the decode thread's CPU time as a share of its
+wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so a high share
+means host work or a spin-wait, and a share that rises only under the load means waiting for the
+GPU), and the load's steps a second alone and beside each decoder (what the decode takes from the
+step). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
+the tool anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from imagenet.data import gpujpeg  # noqa: E402
+
+
+class Load(threading.Thread):
+    """Trains a model in a loop on its own stream until stopped; counts its steps."""
+
+    def __init__(self, device: torch.device, batch: int, size: int):
+        super().__init__(daemon=True)
+        import torchvision
+        half = device.type == "cuda"
+        self.model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
+        self.model = self.model.half() if half else self.model
+        self.x = torch.randn(batch, 3, size, size, device=device, dtype=torch.half if half else torch.float32)
+        self.x = self.x.contiguous(memory_format=torch.channels_last)
+        self.device, self.steps, self.running = device, 0, threading.Event()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stop = threading.Event()
+        self.error = None
+
+    def step(self) -> None:
+        self.model(self.x).float().sum().backward()
+
+    def run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                while not self.stop.is_set():
+                    self.step()
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                    self.steps += 1
+                    self.running.set()
+        except Exception as e:  # reported by the main thread, which would wait for the first step
+            self.error = e
+            self.running.set()
+
+    def rate(self, seconds: float) -> float:
+        """Steps a second over ``seconds`` of its running."""
+        start, t0 = self.steps, time.perf_counter()
+        time.sleep(seconds)
+        return (self.steps - start) / (time.perf_counter() - t0)
+
+    def mark(self) -> tuple:
+        return self.steps, time.perf_counter()
+
+    def since(self, mark: tuple) -> float:
+        """Steps a second since ``mark``."""
+        return (self.steps - mark[0]) / (time.perf_counter() - mark[1])
+
+
+def passes(decoder, datas: list, batch: int, device: torch.device, n: int) -> tuple:
+    """img/s of each of ``n`` passes after one warm-up, and the thread's CPU share over them."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    rates, wall, cpu = [], 0.0, 0.0
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for rep in range(n + 1):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for i in range(0, len(datas), batch):
+                decoder.decode(datas[i:i + batch], device)
+            if rep:
+                rates.append(len(datas) / (time.perf_counter() - t0))
+                wall += time.perf_counter() - t0
+                cpu += time.thread_time() - c0
+    return rates, cpu / wall if wall else 0.0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", help="an ImageFolder root with a train folder of JPEGs")
+    p.add_argument("--batch-size", type=int, default=384)
+    p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS))
+    p.add_argument("--load", choices=("resnet50", "none"), default="resnet50")
+    p.add_argument("--load-batch", type=int, default=256)
+    p.add_argument("--load-size", type=int, default=224)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU is visible (use --device cpu to try the tool)", file=sys.stderr)
+        return 2
+    paths = sorted(glob.glob(os.path.join(args.data, "train", "*", "*")))[:args.images]
+    if not paths:
+        print(f"error: no images under {os.path.join(args.data, 'train')}", file=sys.stderr)
+        return 2
+    datas = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path in paths]
+    load = Load(device, args.load_batch, args.load_size) if args.load != "none" else None
+    rows = []
+    for name in [n for n in args.decoders.split(",") if n]:
+        decoder = gpujpeg.find(name)
+        if decoder is None:
+            rows.append(f"| {name} | not available here | | | | |")
+            continue
+        rates, share = passes(decoder, datas, args.batch_size, device, args.passes)
+        loaded, loaded_share, kept = "", "", ""
+        if load is not None:
+            if not load.is_alive() and load.error is None:
+                load.start()
+                load.running.wait()
+            if load.error is not None:
+                print(f"error: the load's training step failed: {load.error}", file=sys.stderr)
+                load.join()
+                return 2
+            alone = load.rate(3.0)
+            mark = load.mark()
+            under, under_share = passes(decoder, datas, args.batch_size, device, args.passes)
+            beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
+            loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
+            loaded_share = f"{under_share:.2f}"
+            kept = f"{beside / alone:.2f}" if alone else ""
+        rows.append(f"| {name} | {statistics.median(rates):.0f} ({min(rates):.0f}..{max(rates):.0f}) | {share:.2f} "
+                    f"| {loaded} | {loaded_share} | {kept} |")
+    if load is not None and load.is_alive():
+        load.stop.set()
+        load.join()  # a thread left inside a step aborts the interpreter's exit
+    print(f"{len(datas)} JPEGs of {args.data}, batches of {args.batch_size}, {args.passes} passes after one, on "
+          f"{device}; load: {args.load}" + (f" (batch {args.load_batch}, {args.load_size} px)" if load else ""))
+    print("\n| decoder | img/s alone | thread CPU share | img/s beside the load | thread CPU share "
+          "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
