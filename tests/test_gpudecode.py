@@ -424,10 +424,11 @@ def test_the_decoder_benchmark_runs_alone_and_beside_a_load(files, tmp_path, cap
         os.link(path, tmp_path / "train" / "a" / f"{k}.JPEG")
     common = [str(tmp_path), "--device", "cpu", "--decoders", "torchvision", "--batch-size", "2", "--passes", "1",
               "--load-size", "32"]
-    assert bench.main(common + ["--load-batch", "2"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| torchvision |"))
-    cells = [c.strip() for c in row.split("|")[2:-1]]
-    assert float(cells[0].split()[0]) > 0 and float(cells[2].split()[0]) > 0 and 0 < float(cells[1]) <= 1.05, cells
+    for threads in ("1", "2"):  # one decoder call at a time, and two side by side
+        assert bench.main(common + ["--load-batch", "2", "--threads", threads]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| torchvision |"))
+        cells = [c.strip() for c in row.split("|")[2:-1]]
+        assert float(cells[0].split()[0]) > 0 and float(cells[2].split()[0]) > 0 and 0 < float(cells[1]) <= 1.05, cells
     assert bench.main(common + ["--load-batch", "1"]) == 2  # BatchNorm cannot train on one image at 1x1
     assert "the load's training step failed" in capsys.readouterr().err
     assert bench.main([str(tmp_path / "train"), "--device", "cpu"]) == 2

@@ -875,17 +875,21 @@ def _decode_auto(workers: list) -> str:
 def _decoders_alone(data: str, batch: int) -> str:
     """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
     GPU, with the decode thread's CPU share in each (scripts/perf/jpeg_decoders.py), over up to 8
-    batches of the folder's training JPEGs; the hardware JPEG engines' use over all of it."""
+    batches of the folder's training JPEGs, one decoder call at a time and two side by side; the
+    hardware JPEG engines' use over all of it."""
     dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None)
-    out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                          str(8 * batch)], cwd=REPO, capture_output=True, text=True, timeout=400,
-                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+    tables = []
+    for threads in (1, 2):  # one decoder call at a time, then two side by side (more batches in flight)
+        out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
+                              str(8 * batch), "--threads", str(threads)], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+        tables.append(out.stdout.strip() or out.stderr.strip()[-800:])
     engines = ""
     if dmon is not None:
         dmon.terminate()
         engines = f"\n- hardware JPEG engines over all of it: {jpeg_engine_use(dmon.communicate()[0])}"
-    return (out.stdout.strip() or out.stderr.strip()[-800:]) + engines
+    return "\n\n".join(tables) + engines
 
 
 def phase_decode(args) -> None:

@@ -14,7 +14,8 @@ DIR's ``train`` folder, after one warm-up pass), the decode thread's CPU time as
 wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so a high share
 means host work or a spin-wait, and a share that rises only under the load means waiting for the
 GPU), and the load's steps a second alone and beside each decoder (what the decode takes from the
-step). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
+step). ``--threads N`` runs N decoder calls side by side (whether more batches in flight would
+raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
 the tool anywhere.
 """
 
@@ -82,20 +83,37 @@ class Load(threading.Thread):
         return (self.steps - mark[0]) / (time.perf_counter() - mark[1])
 
 
-def passes(decoder, datas: list, batch: int, device: torch.device, n: int) -> tuple:
-    """img/s of each of ``n`` passes after one warm-up, and the thread's CPU share over them."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    rates, wall, cpu = [], 0.0, 0.0
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for rep in range(n + 1):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            for i in range(0, len(datas), batch):
-                decoder.decode(datas[i:i + batch], device)
-            if rep:
-                rates.append(len(datas) / (time.perf_counter() - t0))
-                wall += time.perf_counter() - t0
-                cpu += time.thread_time() - c0
-    return rates, cpu / wall if wall else 0.0
+def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threads: int = 1) -> tuple:
+    """img/s of each of ``n`` passes after one warm-up, and the decoding threads' CPU share over
+    them; ``threads`` decode the batches side by side, each on a stream of its own."""
+    batches = [datas[i:i + batch] for i in range(0, len(datas), batch)]
+    streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(threads)]
+    cpu = [0.0] * threads
+
+    def work(k: int) -> None:
+        c0 = time.thread_time()
+        with torch.cuda.stream(streams[k]) if streams[k] is not None else contextlib.nullcontext():
+            for part in batches[k::threads]:
+                decoder.decode(part, device)
+        cpu[k] += time.thread_time() - c0
+
+    rates, wall = [], 0.0
+    for rep in range(n + 1):
+        t0 = time.perf_counter()
+        if threads == 1:
+            work(0)
+        else:
+            pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+        if rep:
+            rates.append(len(datas) / (time.perf_counter() - t0))
+            wall += time.perf_counter() - t0
+        else:
+            cpu[:] = [0.0] * threads  # the warm-up's CPU time is left out
+    return rates, sum(cpu) / (wall * threads) if wall else 0.0
 
 
 def main(argv=None) -> int:
@@ -108,6 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--load", choices=("resnet50", "none"), default="resnet50")
     p.add_argument("--load-batch", type=int, default=256)
     p.add_argument("--load-size", type=int, default=224)
+    p.add_argument("--threads", type=int, default=1,
+                   help="decoder calls side by side, each in a thread and on a stream of its own")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -126,7 +146,7 @@ def main(argv=None) -> int:
         if decoder is None:
             rows.append(f"| {name} | not available here | | | | |")
             continue
-        rates, share = passes(decoder, datas, args.batch_size, device, args.passes)
+        rates, share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
         loaded, loaded_share, kept = "", "", ""
         if load is not None:
             if not load.is_alive() and load.error is None:
@@ -138,7 +158,7 @@ def main(argv=None) -> int:
                 return 2
             alone = load.rate(3.0)
             mark = load.mark()
-            under, under_share = passes(decoder, datas, args.batch_size, device, args.passes)
+            under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
             beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
             loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
             loaded_share = f"{under_share:.2f}"
@@ -149,7 +169,7 @@ def main(argv=None) -> int:
         load.stop.set()
         load.join()  # a thread left inside a step aborts the interpreter's exit
     print(f"{len(datas)} JPEGs of {args.data}, batches of {args.batch_size}, {args.passes} passes after one, on "
-          f"{device}; load: {args.load}" + (f" (batch {args.load_batch}, {args.load_size} px)" if load else ""))
+          f"{device}, {args.threads} decoding thread(s); load: {args.load}" + (f" (batch {args.load_batch}, {args.load_size} px)" if load else ""))
     print("\n| decoder | img/s alone | thread CPU share | img/s beside the load | thread CPU share "
           "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |")
     print("\n".join(rows))
