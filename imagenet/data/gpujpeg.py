@@ -31,8 +31,9 @@ op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
   CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
   colour photos 2.4 levels on average with ``hw,gpu``, 5.0 with ``hw`` alone), and its accuracy
   on a real set is not measured. The decoded images are interleaved RGB (HWC), handed on as
-  CHW views; their buffers are reused batch after batch. Only its JPEG extension is loaded (its
-  other codecs print install advice for libraries a trainer never needs).
+  CHW views; their buffers are reused batch after batch by the thread that decoded them (an
+  image stays valid until that thread's next call). Only its JPEG extension is loaded (its other
+  codecs print install advice for libraries a trainer never needs).
 
 Each takes the whole batch in one call, first waits on the host for the caller's stream to be
 idle (nvJPEG's hardware path does not order its writes after work queued before it, and
@@ -50,6 +51,7 @@ import importlib.util
 import io
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -170,12 +172,15 @@ def _nvimgcodec() -> Optional[JpegDecoder]:
                                          allow_any_depth=False, sample_format=nvimgcodec.SampleFormat.I_RGB)
     except Exception:  # not installed, its libraries do not load, or a version with another interface
         return None
-    per_device: dict = {}  # device index -> [its Decoder, the last full batch's images (their buffers reused)]
+    # per thread (freed with it), device index -> [its Decoder, the last full batch's images, their
+    # buffers reused]: a thread reuses only its own buffers, after its own stream has drained
+    local = threading.local()
 
     def batched(datas, device):
         if device.type != "cuda":
             return [_pil_chw(d) for d in datas]
         index = device.index if device.index is not None else torch.cuda.current_device()
+        per_device = local.__dict__.setdefault("per_device", {})
         if index not in per_device:
             kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, NVIMGCODEC_KINDS[n])) for n in names]
             per_device[index] = [nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=NVIMGCODEC_THREADS,
