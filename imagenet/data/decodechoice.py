@@ -69,8 +69,8 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     if not cuda:
         return DecodeChoice("cpu", "no CUDA GPU here", "--decode cpu says the same")
     if not gpu_decoder:
-        return DecodeChoice("cpu", "no GPU JPEG decoder here (nvImageCodec, TorchCodec, or nvJPEG in torchvision's "
-                            "CUDA builds)", f"{gpujpeg.INSTALL}, then --decode gpu")
+        return DecodeChoice("cpu", "no GPU JPEG decoder here (nvJPEG in torchvision's CUDA builds, TorchCodec or "
+                            "nvImageCodec)", f"{gpujpeg.INSTALL}, then --decode gpu")
     decoding = min(cfg.workers // max(gpus_per_process, 1), cpus_per_gpu)
     share = f"{_plural(cfg.workers, 'worker')}, {_plural(cpus_per_gpu, 'CPU core')} per GPU"
     if decoding >= CPU_DECODE_CORES:

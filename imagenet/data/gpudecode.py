@@ -8,8 +8,8 @@ epoch). The worker's collate function lays the batch's targets, the geometry ker
 the compressed bytes in one shared-memory buffer, so a batch crosses to the training process as
 one file descriptor (no copy) instead of a list of bytes objects pickled through a pipe.
 
-On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvImageCodec
-on the GPU's hardware JPEG engines, else nvJPEG through torchvision or TorchCodec) decodes the batch, and one kernel
+On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvJPEG
+through torchvision or TorchCodec, or nvImageCodec) decodes the batch, and one kernel
 (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear interpolation
 (PIL's filter, so the pixels match the CPU path within rounding) and flips every image of it,
 reading each decoded image where the decoder left it (the table holds each one's address

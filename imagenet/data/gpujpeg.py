@@ -25,8 +25,8 @@ op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
 * ``nvimgcodec`` -- NVIDIA's nvImageCodec (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``,
   or ``-cu12``), an optional extra: baseline JPEGs on the GPU's hardware JPEG engines (A100,
   H100, H200), meant to leave the CUDA cores to the training step (on the H200 its call still
-  took 66 ms of the decode thread's CPU a batch of 384 while the step ran; docs/BENCHMARKS.md
-  EE); what the engines do not take goes to nvJPEG's CUDA decoder
+  took 62-66 ms a batch of 384 while the step ran, 57-60 ms of it the decode thread's CPU time;
+  docs/BENCHMARKS.md EE); what the engines do not take goes to nvJPEG's CUDA decoder
   (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them; ``hybrid`` adds the
   CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
   colour photos 2.4 levels on average with ``hw,gpu``, 5.0 with ``hw`` alone), and its accuracy
@@ -149,7 +149,9 @@ def _jpeg_extension_only() -> None:
     extensions = sorted((package / "extensions").glob("libnvjpeg_ext.so*"))
     if not extensions:
         return
-    for lib in sorted(package.parent.glob("cu1*/lib/libnvjpeg.so.1*")) + sorted(package.parent.glob("nvjpeg/lib/libnvjpeg.so.1*")):
+    wheels = [*sorted(package.parent.glob("cu1*/lib/libnvjpeg.so.1*")),  # nvidia-nvjpeg's CUDA 13 layout
+              *sorted(package.parent.glob("nvjpeg/lib/libnvjpeg.so.1*"))]  # nvidia-nvjpeg-cu12's
+    for lib in wheels:
         try:
             ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
             break

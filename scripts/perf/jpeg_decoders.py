@@ -15,8 +15,8 @@ wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so 
 means host work or a spin-wait, and a share that rises only under the load means waiting for the
 GPU), and the load's steps a second alone and beside each decoder (what the decode takes from the
 step). ``--threads N`` runs N decoder calls side by side (whether more batches in flight would
-raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
-the tool anywhere.
+raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device (each
+decoder's libjpeg path), to try the tool anywhere.
 """
 
 from __future__ import annotations
