@@ -143,6 +143,17 @@ def test_the_decoder_is_found_and_named(monkeypatch):
         gpujpeg.find()
 
 
+def test_nvimgcodecs_backends_can_share_a_batch():
+    """IMAGENET_NVIMGCODEC_BACKENDS: backends in order, each with the share of a batch it takes
+    (the rest goes on to the next), as DALI shares a batch between the engines and the CUDA cores."""
+    assert gpujpeg.nvimgcodec_backends("hw,gpu") == [("HW_GPU_ONLY", 1.0), ("GPU_ONLY", 1.0)]
+    assert gpujpeg.nvimgcodec_backends("hw:0.7, gpu") == [("HW_GPU_ONLY", 0.7), ("GPU_ONLY", 1.0)]
+    assert gpujpeg.nvimgcodec_backends("hybrid") == [("HYBRID_CPU_GPU", 1.0)]
+    for bad in ("hw:0", "hw:1.5", "hw:x,gpu", "hw,,gpu", ""):
+        with pytest.raises(UserError, match="NAME:FRACTION"):
+            gpujpeg.nvimgcodec_backends(bad)
+
+
 def _stub(name, fails=None):
     def batched(datas, device):
         if fails is not None:
@@ -432,3 +443,5 @@ def test_the_decoder_benchmark_runs_alone_and_beside_a_load(files, tmp_path, cap
     assert bench.main(common + ["--load-batch", "1"]) == 2  # BatchNorm cannot train on one image at 1x1
     assert "the load's training step failed" in capsys.readouterr().err
     assert bench.main([str(tmp_path / "train"), "--device", "cpu"]) == 2
+    assert bench.main(common + ["--load", "none", "--nvimgcodec-backends", "hw;hw:2,gpu"]) == 2
+    assert "NAME:FRACTION" in capsys.readouterr().err

@@ -27,8 +27,8 @@ op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
   H100, H200), meant to leave the CUDA cores to the training step (on the H200 its call still
   took 62-66 ms a batch of 384 while the step ran, 57-60 ms of it the decode thread's CPU time;
   docs/BENCHMARKS.md EE); what the engines do not take goes to nvJPEG's CUDA decoder
-  (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them; ``hybrid`` adds the
-  CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
+  (``IMAGENET_NVIMGCODEC_BACKENDS``, default ``hw,gpu``, orders them and can share a batch
+  between them, e.g. ``hw:0.7,gpu``; ``hybrid`` adds the CPU+GPU one). Its pixels are further from libjpeg's than nvJPEG's CUDA decoder's (on small
   colour photos 2.4 levels on average with ``hw,gpu``, 5.0 with ``hw`` alone), and its accuracy
   on a real set is not measured. The decoded images are interleaved RGB (HWC), handed on as
   CHW views; their buffers are reused batch after batch by the thread that decoded them (an
@@ -82,8 +82,9 @@ def _not_a_bad_image(e: Exception) -> bool:
 class JpegDecoder:
     """A batched JPEG decoder: ``decode(datas, device)`` -> list of CHW uint8 RGB or None."""
 
-    def __init__(self, name: str, batched: Callable, single: Callable):
+    def __init__(self, name: str, batched: Callable, single: Callable, detail: str = ""):
         self.name = name
+        self.detail = detail  # how it is set up, for the banner (nvImageCodec's backends)
         self._batched = batched  # (list of CPU uint8 tensors, device) -> list of CHW uint8
         self._single = single  # (one CPU uint8 tensor, device) -> CHW uint8
 
@@ -162,11 +163,31 @@ def _jpeg_extension_only() -> None:
     os.environ["NVIMGCODEC_EXTENSIONS_PATH"] = folder
 
 
-def _nvimgcodec() -> Optional[JpegDecoder]:
-    names = [n.strip() for n in os.environ.get(NVIMGCODEC_ENV, "hw,gpu").split(",") if n.strip()]
-    if not names or set(names) - set(NVIMGCODEC_KINDS):
-        raise UserError(f"{NVIMGCODEC_ENV}={os.environ.get(NVIMGCODEC_ENV)!r}: give nvImageCodec's backends in "
-                        f"order, of {', '.join(NVIMGCODEC_KINDS)} (default hw,gpu)")
+def nvimgcodec_backends(spec: str) -> list:
+    """``IMAGENET_NVIMGCODEC_BACKENDS`` -> [(backend kind, load hint)]: backends in order, each
+    ``NAME`` or ``NAME:FRACTION`` (the share of a batch nvImageCodec gives it, the rest going on
+    to the next; default 1), e.g. ``hw:0.7,gpu`` (DALI's way of sharing a batch between the
+    hardware engines and the CUDA cores)."""
+    out = []
+    for item in (part.strip() for part in spec.split(",")):
+        name, _, share = item.partition(":")
+        try:
+            hint = float(share) if share else 1.0
+        except ValueError:
+            hint = -1.0
+        if name not in NVIMGCODEC_KINDS or not 0.0 < hint <= 1.0:
+            raise UserError(f"{NVIMGCODEC_ENV}={spec!r}: give nvImageCodec's backends in order, each one of "
+                            f"{', '.join(NVIMGCODEC_KINDS)}, optionally with the share of a batch it takes "
+                            "(NAME:FRACTION, 0 < FRACTION <= 1), e.g. hw:0.7,gpu (default hw,gpu)")
+        out.append((NVIMGCODEC_KINDS[name], hint))
+    return out
+
+
+def nvimgcodec_decoder(spec: Optional[str] = None) -> Optional[JpegDecoder]:
+    """nvImageCodec with the backends of ``spec`` (default: ``$IMAGENET_NVIMGCODEC_BACKENDS``,
+    else ``hw,gpu``), or None where it is not installed."""
+    spec = spec or os.environ.get(NVIMGCODEC_ENV) or "hw,gpu"
+    backends = nvimgcodec_backends(spec)
     try:
         _jpeg_extension_only()
         from nvidia import nvimgcodec
@@ -184,7 +205,8 @@ def _nvimgcodec() -> Optional[JpegDecoder]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         per_device = local.__dict__.setdefault("per_device", {})
         if index not in per_device:
-            kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, NVIMGCODEC_KINDS[n])) for n in names]
+            kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind), load_hint=hint)
+                     for kind, hint in backends]
             per_device[index] = [nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=NVIMGCODEC_THREADS,
                                                     backends=kinds), []]
         decoder, pool = per_device[index]
@@ -201,7 +223,7 @@ def _nvimgcodec() -> Optional[JpegDecoder]:
 
     def single(data, device):
         return batched([data], device)[0]
-    return JpegDecoder("nvimgcodec", batched, single)
+    return JpegDecoder("nvimgcodec", batched, single, detail=f"backends {spec}")
 
 
 def _torchvision() -> Optional[JpegDecoder]:
@@ -228,7 +250,7 @@ def _torchvision() -> Optional[JpegDecoder]:
     return JpegDecoder("torchvision", batched, single)
 
 
-_FACTORIES = {"nvimgcodec": _nvimgcodec, "torchcodec": _torchcodec, "torchvision": _torchvision}
+_FACTORIES = {"nvimgcodec": nvimgcodec_decoder, "torchcodec": _torchcodec, "torchvision": _torchvision}
 _lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it was passed over}), once a process
 
 
@@ -289,8 +311,7 @@ def describe(decoder: JpegDecoder) -> str:
     """The decoder for the banner: which one, where it decodes, and for torchvision's its
     deprecation and the way forward."""
     if decoder.name == "nvimgcodec":
-        names = os.environ.get(NVIMGCODEC_ENV, "hw,gpu")
-        return f"nvImageCodec, backends {names}; hw: the GPU's hardware JPEG engines"
+        return f"nvImageCodec, {decoder.detail}; hw: the GPU's hardware JPEG engines"
     if decoder.name == "torchvision":
         return ("torchvision's op, on the CUDA cores; torchvision 0.29 deprecates it, TorchCodec or nvImageCodec "
                 f"take over when it is gone: {INSTALL}")

@@ -872,6 +872,11 @@ def _decode_auto(workers: list) -> str:
     return out.stdout.strip() or out.stderr.strip()[-500:]
 
 
+# nvImageCodec setups beside the default one: the engines alone, and sharing each batch with the
+# CUDA cores as DALI does (where installed; rows saying "not available" otherwise)
+NVIMGCODEC_SHARES = "hw;hw:0.8,gpu;hw:0.6,gpu"
+
+
 def _decoders_alone(data: str, batch: int) -> str:
     """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
     GPU, with the decode thread's CPU share in each (scripts/perf/jpeg_decoders.py), over up to 8
@@ -882,8 +887,9 @@ def _decoders_alone(data: str, batch: int) -> str:
     tables = []
     for threads in (1, 2):  # one decoder call at a time, then two side by side (more batches in flight)
         out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                              str(8 * batch), "--threads", str(threads)], cwd=REPO, capture_output=True, text=True,
-                             timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+                              str(8 * batch), "--threads", str(threads), "--nvimgcodec-backends", NVIMGCODEC_SHARES],
+                             cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
         tables.append(out.stdout.strip() or out.stderr.strip()[-800:])
     engines = ""
     if dmon is not None:

@@ -14,9 +14,11 @@ DIR's ``train`` folder, after one warm-up pass), the decode thread's CPU time as
 wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so a high share
 means host work or a spin-wait, and a share that rises only under the load means waiting for the
 GPU), and the load's steps a second alone and beside each decoder (what the decode takes from the
-step). ``--threads N`` runs N decoder calls side by side (whether more batches in flight would
-raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device (each
-decoder's libjpeg path), to try the tool anywhere.
+step). ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
+engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``). ``--threads N`` runs
+N decoder calls side by side (whether more batches in flight would raise the rate where one call
+waits). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
+the tool anywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from imagenet.base.errors import UserError  # noqa: E402
 from imagenet.data import gpujpeg  # noqa: E402
 
 
@@ -123,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS))
+    p.add_argument("--nvimgcodec-backends", default="",
+                   help="more nvImageCodec rows, one per ';'-separated IMAGENET_NVIMGCODEC_BACKENDS value, "
+                        "e.g. 'hw;hw:0.7,gpu;hw:0.5,gpu'")
     p.add_argument("--load", choices=("resnet50", "none"), default="resnet50")
     p.add_argument("--load-batch", type=int, default=256)
     p.add_argument("--load-size", type=int, default=224)
@@ -141,8 +147,17 @@ def main(argv=None) -> int:
     datas = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path in paths]
     load = Load(device, args.load_batch, args.load_size) if args.load != "none" else None
     rows = []
-    for name in [n for n in args.decoders.split(",") if n]:
-        decoder = gpujpeg.find(name)
+    wanted = [(n, None) for n in args.decoders.split(",") if n]
+    wanted += [(f"nvimgcodec {spec}", spec) for spec in args.nvimgcodec_backends.split(";") if spec]
+    for _, spec in wanted:
+        try:
+            if spec is not None:
+                gpujpeg.nvimgcodec_backends(spec)
+        except UserError as e:
+            print(f"error: --nvimgcodec-backends: {e}", file=sys.stderr)
+            return 2
+    for name, spec in wanted:
+        decoder = gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)
         if decoder is None:
             rows.append(f"| {name} | not available here | | | | |")
             continue
