@@ -39,7 +39,7 @@ from torch.utils.data import get_worker_info
 from ..base.torch_private import shared_bytes
 from ..kernels import gpugeometry
 from . import gpujpeg
-from .decode import TrainDecoderReader, _rgb, _to_tensor
+from .decode import TrainDecoderReader
 from .inputaccount import InputAccount
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
@@ -251,15 +251,6 @@ def _finish(images: list, flips: list, device: torch.device) -> torch.Tensor:
     return x.to(torch.uint8, memory_format=torch.channels_last).permute(0, 2, 3, 1)
 
 
-def _cpu_decode(data: torch.Tensor) -> Optional[torch.Tensor]:
-    """A JPEG the device decoder refused, decoded by PIL: contiguous CHW uint8, or None."""
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            return _to_tensor(_rgb(img)).permute(2, 0, 1).contiguous()
-    except Exception:
-        return None
-
-
 class Decoded(NamedTuple):
     """What :func:`decode_batch` made of a batch."""
 
@@ -290,7 +281,7 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
     bad_jobs = []
     for k in [k for k, img in enumerate(images) if img is None]:  # nvJPEG refused it (an odd JPEG)
         counts["gpu"] -= 1
-        img = _cpu_decode(views[k])
+        img = gpujpeg.pil_decode(views[k])
         if img is None:
             bad_jobs.append(k)
         else:

@@ -55,10 +55,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import torch
+from PIL import Image
 
 from ..base.errors import UserError
+from .decode import _rgb, _to_tensor
 
 ENV = "IMAGENET_GPU_JPEG"
 # the order "auto" tries them in: torchvision's op trained fastest on the H200 (73% of the step at
@@ -126,13 +127,13 @@ def _torchcodec() -> Optional[JpegDecoder]:
     return JpegDecoder("torchcodec", batched, single)
 
 
-def _pil_chw(data: torch.Tensor) -> Optional[torch.Tensor]:
-    """libjpeg's RGB pixels of one JPEG (through PIL), as a CHW view of HWC memory; None where
-    PIL cannot read it (as nvImageCodec answers for an image it cannot decode)."""
-    from PIL import Image
+def pil_decode(data: torch.Tensor) -> Optional[torch.Tensor]:
+    """libjpeg's RGB pixels of one encoded image (through PIL, as the CPU path decodes), as a CHW
+    view of HWC memory; None where PIL cannot read it (as nvImageCodec answers for an image it
+    cannot decode). Also what decodes, in the training process, a JPEG a GPU decoder refused."""
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+            return _to_tensor(_rgb(img)).permute(2, 0, 1)
     except Exception:
         return None
 
@@ -201,7 +202,7 @@ def nvimgcodec_decoder(spec: Optional[str] = None) -> Optional[JpegDecoder]:
 
     def batched(datas, device):
         if device.type != "cuda":
-            return [_pil_chw(d) for d in datas]
+            return [pil_decode(d) for d in datas]
         index = device.index if device.index is not None else torch.cuda.current_device()
         per_device = local.__dict__.setdefault("per_device", {})
         if index not in per_device:
@@ -255,7 +256,6 @@ _lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it 
 
 
 def _probe_jpeg() -> torch.Tensor:
-    from PIL import Image
     out = io.BytesIO()
     Image.new("RGB", (16, 8), (200, 30, 90)).save(out, "JPEG", quality=90)
     return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)

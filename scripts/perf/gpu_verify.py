@@ -496,14 +496,10 @@ def phase_e2e(args) -> None:
     rows, results = [], []
     engines = []  # nvidia-smi's hardware JPEG decoder utilisation while each GPU-decode row ran
     for name, kind, cmd in runs:
-        dmon = None
-        if kind == "loader" or "gpu-decode" in name:
-            dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None
-        res = run_group([{"name": name, "cmd": cmd, "env": g0}], args)[0]
-        if dmon is not None:
-            dmon.terminate()
-            engines.append((name, jpeg_engine_use(dmon.communicate()[0])))
+        with JpegEngines(kind == "loader" or "gpu-decode" in name) as watched:
+            res = run_group([{"name": name, "cmd": cmd, "env": g0}], args)[0]
+        if watched.use is not None:
+            engines.append((name, watched.use))
         results.append(res)
         before = len(rows)
         out = os.path.join(args.out, name)
@@ -535,6 +531,27 @@ def phase_e2e(args) -> None:
     for name, use in engines:
         print(f"hardware JPEG engines during {name}: {use}")
     print_commands(results)
+
+
+class JpegEngines:
+    """``with JpegEngines(on) as e: ...`` then ``e.use``: the hardware JPEG decoders' use
+    (:func:`jpeg_engine_use`) over the block, read by ``nvidia-smi dmon`` where ``on`` and
+    nvidia-smi is here (``e.use`` is None otherwise)."""
+
+    def __init__(self, on: bool = True):
+        self.on, self.use, self._dmon = on and shutil.which("nvidia-smi") is not None, None, None
+
+    def __enter__(self) -> "JpegEngines":
+        if self.on:
+            self._dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._dmon is not None:
+            self._dmon.terminate()
+            self.use = jpeg_engine_use(self._dmon.communicate()[0])
+        return False
 
 
 def jpeg_engine_use(dmon: str) -> str:
@@ -877,24 +894,20 @@ def _decode_auto(workers: list) -> str:
 NVIMGCODEC_SHARES = "hw;hw:0.8,gpu;hw:0.6,gpu"
 
 
-def _decoders_alone(data: str, batch: int) -> str:
+def _decoder_table(data: str, batch: int) -> str:
     """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
     GPU, with the decode thread's CPU share in each (scripts/perf/jpeg_decoders.py), over up to 8
     batches of the folder's training JPEGs, one decoder call at a time and two side by side; the
     hardware JPEG engines' use over all of it."""
-    dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True) if shutil.which("nvidia-smi") else None)
     tables = []
-    for threads in (1, 2):  # one decoder call at a time, then two side by side (more batches in flight)
-        out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                              str(8 * batch), "--threads", str(threads), "--nvimgcodec-backends", NVIMGCODEC_SHARES],
-                             cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
-        tables.append(out.stdout.strip() or out.stderr.strip()[-800:])
-    engines = ""
-    if dmon is not None:
-        dmon.terminate()
-        engines = f"\n- hardware JPEG engines over all of it: {jpeg_engine_use(dmon.communicate()[0])}"
+    with JpegEngines() as watched:
+        for threads in (1, 2):  # one decoder call at a time, then two side by side (more batches in flight)
+            out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
+                                  str(8 * batch), "--threads", str(threads), "--nvimgcodec-backends",
+                                  NVIMGCODEC_SHARES], cwd=REPO, capture_output=True, text=True, timeout=300,
+                                 env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+            tables.append(out.stdout.strip() or out.stderr.strip()[-800:])
+    engines = f"\n- hardware JPEG engines over all of it: {watched.use}" if watched.use else ""
     return "\n\n".join(tables) + engines
 
 
@@ -947,23 +960,20 @@ def phase_decode(args) -> None:
                     runs.append((f"old-gpu-j{w}-{mode}", mode, "old-gpu", w,
                                  f"{PY} main.py {data} {common}{flags} --decode gpu -j {w}"))
     auto = _decode_auto(workers)
-    alone = _decoders_alone(data, batch)
+    decoders = _decoder_table(data, batch)
     results, engines = [], {}
     for name, mode, decode, w, cmd in runs:
         left = args.decode_budget - (time.time() - t0)
         if left < 45:
             results.append((name, mode, decode, w, None))
             continue
-        dmon = (subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True)
-                if "gpu" in decode and shutil.which("nvidia-smi") else None)
         here = f"cd {old} && " if decode.startswith("old-") else ""  # the older tree's rows run there
         env = dict(g0, IMAGENET_GPU_JPEG=decode.split(":")[1]) if decode.startswith("gpu:") else g0
-        res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}", "env": env}],
-                        args)[0]
-        if dmon is not None:
-            dmon.terminate()
-            engines[name] = jpeg_engine_use(dmon.communicate()[0])
+        with JpegEngines("gpu" in decode) as watched:
+            res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}",
+                              "env": env}], args)[0]
+        if watched.use is not None:
+            engines[name] = watched.use
         results.append((name, mode, decode, w, res))
     synthetic, rows = {}, {}  # rows: (decode, workers, mode) -> (rates, stages, decoded on GPU, fallbacks, result)
     for name, mode, decode, w, res in results:
@@ -1015,7 +1025,7 @@ def phase_decode(args) -> None:
             print(f"- {name}: {lines[-1]}")
     for name, use in engines.items():
         print(f"hardware JPEG engines during {name}: {use}")
-    print(f"\nEach GPU JPEG decoder alone and beside a training loop (scripts/perf/jpeg_decoders.py):\n" + alone)
+    print(f"\nEach GPU JPEG decoder alone and beside a training loop (scripts/perf/jpeg_decoders.py):\n" + decoders)
     print("\n--decode auto here, one GPU:\n" + auto)
     if tested is not None:
         print(f"\ntests ({args.decode_tests}): exit {tested['rc']}, "
