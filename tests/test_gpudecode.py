@@ -435,11 +435,22 @@ def test_the_decoder_benchmark_runs_alone_and_beside_a_load(files, tmp_path, cap
         os.link(path, tmp_path / "train" / "a" / f"{k}.JPEG")
     common = [str(tmp_path), "--device", "cpu", "--decoders", "torchvision", "--batch-size", "2", "--passes", "1",
               "--load-size", "32"]
-    for threads in ("1", "2"):  # one decoder call at a time, and two side by side
-        assert bench.main(common + ["--load-batch", "2", "--threads", threads]) == 0
-        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| torchvision |"))
-        cells = [c.strip() for c in row.split("|")[2:-1]]
-        assert float(cells[0].split()[0]) > 0 and float(cells[2].split()[0]) > 0 and 0 < float(cells[1]) <= 1.05, cells
+    # one decoder call at a time with the load on the default stream and profiled, then two side by
+    # side with the load on a stream of its own; our nvJPEG binding's row where libnvjpeg loads
+    for threads, extra in (("1", ["--profile"]), ("2", ["--load-stream", "side"])):
+        assert bench.main(common + ["--load-batch", "2", "--threads", threads, "--decoders",
+                                    "torchvision,nvjpeg:hw:pinned"] + extra) == 0
+        out = capsys.readouterr().out
+        for name in ("torchvision", "nvjpeg:hw:pinned"):
+            row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+            if name != "torchvision" and "not available" in row:
+                continue
+            cells = [c.strip() for c in row.split("|")[2:-1]]
+            assert float(cells[0].split()[0]) > 0 and float(cells[2].split()[0]) > 0 and 0 < float(cells[1]) <= 1.05, \
+                cells
+        assert ("one pass beside the load" in out) == (threads == "1")
+    assert bench.main(common + ["--load", "none", "--decoders", "nvjpeg:hw:paged"]) == 2
+    assert "nvjpeg:BACKEND:STAGING" in capsys.readouterr().err
     assert bench.main(common + ["--load-batch", "1"]) == 2  # BatchNorm cannot train on one image at 1x1
     assert "the load's training step failed" in capsys.readouterr().err
     assert bench.main([str(tmp_path / "train"), "--device", "cpu"]) == 2

@@ -892,6 +892,9 @@ def _decode_auto(workers: list) -> str:
 # nvImageCodec setups beside the default one: the engines alone, and sharing each batch with the
 # CUDA cores as DALI does (where installed; rows saying "not available" otherwise)
 NVIMGCODEC_SHARES = "hw;hw:0.8,gpu;hw:0.6,gpu"
+# the trainer's decoders, then our nvJPEG binding with the engines writing their planes as decoded
+# (no colour conversion on the CUDA cores: whether the engines alone keep their pace in training)
+DECODER_ROWS = "torchvision,torchcodec,nvimgcodec,nvjpeg:hw:pageable,nvjpeg:hw-yuv:pageable"
 
 
 def _decoder_table(data: str, batch: int) -> str:
@@ -903,8 +906,9 @@ def _decoder_table(data: str, batch: int) -> str:
     with JpegEngines() as watched:
         for threads in (1, 2):  # one decoder call at a time, then two side by side (more batches in flight)
             out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                                  str(8 * batch), "--threads", str(threads), "--nvimgcodec-backends",
-                                  NVIMGCODEC_SHARES], cwd=REPO, capture_output=True, text=True, timeout=300,
+                                  str(8 * batch), "--threads", str(threads), "--decoders", DECODER_ROWS,
+                                  "--nvimgcodec-backends", NVIMGCODEC_SHARES], cwd=REPO, capture_output=True,
+                                 text=True, timeout=300,
                                  env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
             tables.append(out.stdout.strip() or out.stderr.strip()[-800:])
     engines = f"\n- hardware JPEG engines over all of it: {watched.use}" if watched.use else ""
@@ -1025,7 +1029,7 @@ def phase_decode(args) -> None:
             print(f"- {name}: {lines[-1]}")
     for name, use in engines.items():
         print(f"hardware JPEG engines during {name}: {use}")
-    print(f"\nEach GPU JPEG decoder alone and beside a training loop (scripts/perf/jpeg_decoders.py):\n" + decoders)
+    print("\nEach GPU JPEG decoder alone and beside a training loop (scripts/perf/jpeg_decoders.py):\n" + decoders)
     print("\n--decode auto here, one GPU:\n" + auto)
     if tested is not None:
         print(f"\ntests ({args.decode_tests}): exit {tested['rc']}, "

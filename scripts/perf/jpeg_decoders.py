@@ -1,24 +1,32 @@
 """Each GPU JPEG decoder of ``--decode gpu`` alone, then beside a training step on the same GPU.
 
     python scripts/perf/jpeg_decoders.py DIR [--batch-size 384] [--images 3072] [--passes 5]
-        [--decoders torchvision,torchcodec,nvimgcodec] [--load resnet50|none]
+        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg:hw:pageable] [--load resnet50|none]
+        [--load-stream default|side] [--profile]
 
 Issue 28 measured torchvision's batched nvJPEG call at about 30,000 img/s on an idle H200, while
 in training the same call took 55 ms a batch of 384 (about 7,000 img/s), nearly all of it the
 decode thread's own CPU time. This tool separates the two conditions in one process, as the
 trainer has them: the decoder (``imagenet.data.gpujpeg``, the call ``--decode gpu`` makes) runs in
-one thread on a stream of its own; with ``--load resnet50`` another thread trains torchvision's
-ResNet-50 (fp16, channels_last, batch --load-batch) on its own stream meanwhile. For each decoder
-it prints img/s alone and under the load (the median of --passes passes over --images JPEGs of
-DIR's ``train`` folder, after one warm-up pass), the decode thread's CPU time as a share of its
-wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so a high share
-means host work or a spin-wait, and a share that rises only under the load means waiting for the
-GPU), and the load's steps a second alone and beside each decoder (what the decode takes from the
-step). ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
-engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``). ``--threads N`` runs
-N decoder calls side by side (whether more batches in flight would raise the rate where one call
-waits). ``--device cpu`` runs the same loop on a CPU device (each decoder's libjpeg path), to try
-the tool anywhere.
+one thread on a high-priority stream of its own (as the trainer's background thread does); with
+``--load resnet50`` another thread trains torchvision's ResNet-50 (fp16, channels_last, batch
+--load-batch) meanwhile, one step queued ahead of the GPU as a training loop keeps it, on CUDA's
+legacy default stream (main.py's loop's) or, with ``--load-stream side``, a stream of its own.
+Every decoder is timed alone first, then each beside the load. For each it prints img/s alone and
+under the load (the median of --passes passes over --images JPEGs of DIR's ``train`` folder,
+after one warm-up pass), the decode thread's CPU time as a share of its wall time in each case
+(near 1 while it waits: CUDA's synchronisation spins, so a high share means host work or a
+spin-wait, and a share that rises only under the load means waiting for the GPU), and the load's
+steps a second alone and beside each decoder (what the decode takes from the step); each row as
+soon as it is measured. ``--profile`` adds one pass of each beside the load under torch's
+profiler: the CUDA calls by host time (a synchronisation per image shows here) and the kernels by
+GPU time. ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
+engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``). A decoder named
+``nvjpeg:BACKEND:STAGING`` is our own ctypes binding of nvJPEG on the caller's stream
+(``scripts/perf/nvjpeg_binding.py``: BACKEND ``hw``, ``gpu`` or ``hw-yuv``, STAGING ``pinned`` or
+``pageable``). ``--threads N`` runs N decoder calls side by side (whether more batches in flight
+would raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device
+(each decoder's libjpeg path), to try the tool anywhere.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -39,11 +48,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from imagenet.base.errors import UserError  # noqa: E402
 from imagenet.data import gpujpeg  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nvjpeg_binding  # noqa: E402
+
 
 class Load(threading.Thread):
     """Trains a model in a loop on its own stream until stopped; counts its steps."""
 
-    def __init__(self, device: torch.device, batch: int, size: int):
+    def __init__(self, device: torch.device, batch: int, size: int, stream: str = "side"):
         super().__init__(daemon=True)
         import torchvision
         half = device.type == "cuda"
@@ -52,7 +64,11 @@ class Load(threading.Thread):
         self.x = torch.randn(batch, 3, size, size, device=device, dtype=torch.half if half else torch.float32)
         self.x = self.x.contiguous(memory_format=torch.channels_last)
         self.device, self.steps, self.running = device, 0, threading.Event()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # "default": the step on CUDA's legacy default stream, as main.py's loop runs it; "side": a
+        # stream of its own (which no other stream waits for implicitly)
+        cuda = device.type == "cuda"
+        self.stream = (torch.cuda.Stream(device) if stream == "side" else torch.cuda.default_stream(device)) \
+            if cuda else None
         self.stop = threading.Event()
         self.error = None
 
@@ -62,10 +78,14 @@ class Load(threading.Thread):
     def run(self) -> None:
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                queued = []  # a step's end, as a trainer's loop keeps one step queued ahead of the GPU
                 while not self.stop.is_set():
                     self.step()
                     if self.stream is not None:
-                        self.stream.synchronize()
+                        queued.append(torch.cuda.Event())
+                        queued[-1].record(self.stream)
+                        if len(queued) > 1:
+                            queued.pop(0).synchronize()
                     self.steps += 1
                     self.running.set()
         except Exception as e:  # reported by the main thread, which would wait for the first step
@@ -90,7 +110,9 @@ def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threa
     """img/s of each of ``n`` passes after one warm-up, and the decoding threads' CPU share over
     them; ``threads`` decode the batches side by side, each on a stream of its own."""
     batches = [datas[i:i + batch] for i in range(0, len(datas), batch)]
-    streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(threads)]
+    # high priority, as --decode gpu's background thread's stream (a decoder that queues its kernels
+    # on the caller's stream has them scheduled ahead of the load's)
+    streams = [torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None for _ in range(threads)]
     cpu = [0.0] * threads
 
     def work(k: int) -> None:
@@ -119,13 +141,48 @@ def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threa
     return rates, sum(cpu) / (wall * threads) if wall else 0.0
 
 
+def nvjpeg_decoder(backend: str, staging: str) -> Optional[gpujpeg.JpegDecoder]:
+    """Our ctypes binding of nvJPEG (scripts/perf/nvjpeg_binding.py) behind gpujpeg's interface;
+    None where no libnvjpeg loads. On a CPU device PIL decodes, as gpujpeg's backends do there."""
+    lib = nvjpeg_binding.decoder(backend, staging == "pinned")
+    if lib is None:
+        return None
+
+    def batched(datas, device):
+        return lib.decode(datas, device) if device.type == "cuda" else [gpujpeg.pil_decode(d) for d in datas]
+    return gpujpeg.JpegDecoder(f"nvjpeg {backend} {staging}", batched, lambda d, device: batched([d], device)[0])
+
+
+def profile(decoder, datas: list, batch: int, device: torch.device, top: int = 10) -> str:
+    """One pass of the decoder (beside the load where it runs) under torch's profiler: the CUDA
+    runtime and driver calls by their total host time (a synchronisation or an allocation that
+    waits for the whole device shows here, with its count), and the GPU kernels by their device
+    time (the decode's own SM time against the training step's)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        passes(decoder, datas, batch, device, 0)
+    events = prof.key_averages()
+    api = sorted((e for e in events if e.key.startswith(("cuda", "cu")) and e.cpu_time_total > 0),
+                 key=lambda e: -e.cpu_time_total)[:top]
+    kernels = sorted((e for e in events if getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) > 0
+                      and not e.key.startswith(("cuda", "cu", "aten::", "Memcpy", "Memset"))),
+                     key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))[:top]
+    lines = [f"  {e.key[:60]}: {e.count} calls, {e.cpu_time_total / 1000:.1f} ms host" for e in api]
+    lines += [f"  kernel {e.key[:60]}: {e.count}, "
+              f"{getattr(e, 'device_time_total', getattr(e, 'cuda_time_total', 0)) / 1000:.1f} ms GPU" for e in kernels]
+    return "\n".join(lines) or "  (no CUDA call or kernel recorded)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data", help="an ImageFolder root with a train folder of JPEGs")
     p.add_argument("--batch-size", type=int, default=384)
     p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
     p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS))
+    p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS),
+                   help="comma-separated; nvjpeg:BACKEND:pinned|pageable sets up our nvJPEG binding (BACKEND hw or gpu)")
     p.add_argument("--nvimgcodec-backends", default="",
                    help="more nvImageCodec rows, one per ';'-separated IMAGENET_NVIMGCODEC_BACKENDS value, "
                         "e.g. 'hw;hw:0.7,gpu;hw:0.5,gpu'")
@@ -134,6 +191,10 @@ def main(argv=None) -> int:
     p.add_argument("--load-size", type=int, default=224)
     p.add_argument("--threads", type=int, default=1,
                    help="decoder calls side by side, each in a thread and on a stream of its own")
+    p.add_argument("--load-stream", choices=("side", "default"), default="default",
+                   help="the load's stream: CUDA's legacy default stream (main.py's training loop's) or one of its own")
+    p.add_argument("--profile", action="store_true",
+                   help="one more pass of each decoder beside the load under torch's profiler: its CUDA calls and kernels")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -145,51 +206,67 @@ def main(argv=None) -> int:
         print(f"error: no images under {os.path.join(args.data, 'train')}", file=sys.stderr)
         return 2
     datas = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path in paths]
-    load = Load(device, args.load_batch, args.load_size) if args.load != "none" else None
-    rows = []
     wanted = [(n, None) for n in args.decoders.split(",") if n]
     wanted += [(f"nvimgcodec {spec}", spec) for spec in args.nvimgcodec_backends.split(";") if spec]
-    for _, spec in wanted:
+    for name, spec in wanted:
         try:
             if spec is not None:
                 gpujpeg.nvimgcodec_backends(spec)
         except UserError as e:
             print(f"error: --nvimgcodec-backends: {e}", file=sys.stderr)
             return 2
+        parts = name.split(":")
+        if name.startswith("nvjpeg:") and (len(parts) != 3 or parts[1] not in nvjpeg_binding.BACKENDS
+                                           or parts[2] not in ("pinned", "pageable")):
+            print(f"error: --decoders: {name!r}: our nvJPEG binding is named nvjpeg:BACKEND:STAGING, BACKEND one of "
+                  f"{', '.join(nvjpeg_binding.BACKENDS)}, STAGING pinned or pageable", file=sys.stderr)
+            return 2
+    load = Load(device, args.load_batch, args.load_size, args.load_stream) if args.load != "none" else None
+    decoders = []  # (name, decoder or None)
     for name, spec in wanted:
-        decoder = gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)
-        if decoder is None:
-            rows.append(f"| {name} | not available here | | | | |")
-            continue
-        rates, share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
-        loaded, loaded_share, kept = "", "", ""
-        if load is not None:
-            if not load.is_alive() and load.error is None:
-                load.start()
-                load.running.wait()
-            if load.error is not None:
-                print(f"error: the load's training step failed: {load.error}", file=sys.stderr)
-                load.join()
-                return 2
-            alone = load.rate(3.0)
-            mark = load.mark()
-            under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
-            beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
-            loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
-            loaded_share = f"{under_share:.2f}"
-            kept = f"{beside / alone:.2f}" if alone else ""
-        rows.append(f"| {name} | {statistics.median(rates):.0f} ({min(rates):.0f}..{max(rates):.0f}) | {share:.2f} "
-                    f"| {loaded} | {loaded_share} | {kept} |")
-    if load is not None and load.is_alive():
-        load.stop.set()
-        load.join()  # a thread left inside a step aborts the interpreter's exit
+        if name.startswith("nvjpeg:"):
+            decoders.append((name, nvjpeg_decoder(*name.split(":")[1:])))
+        else:
+            decoders.append((name, gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)))
+    # every decoder alone first, while the load has not started
+    alone_rates = {name: passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
+                   for name, decoder in decoders if decoder is not None}
     print(f"{len(datas)} JPEGs of {args.data}, batches of {args.batch_size}, {args.passes} passes after one, on "
-          f"{device}, {args.threads} decoding thread(s); load: {args.load}" + (f" (batch {args.load_batch}, {args.load_size} px)" if load else ""))
+          f"{device}, {args.threads} decoding thread(s); load: {args.load}"
+          + (f" (batch {args.load_batch}, {args.load_size} px, {args.load_stream} stream)" if load else ""))
     print("\n| decoder | img/s alone | thread CPU share | img/s beside the load | thread CPU share "
-          "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |")
-    print("\n".join(rows))
+          "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |", flush=True)
+    try:
+        for name, decoder in decoders:  # each row printed once measured: a run cut short keeps its rows
+            if decoder is None:
+                print(f"| {name} | not available here | | | | |", flush=True)
+                continue
+            rates, share = alone_rates[name]
+            loaded, loaded_share, kept = "", "", ""
+            if load is not None:
+                if not load.is_alive() and load.error is None:
+                    load.start()
+                    load.running.wait()
+                if load.error is not None:
+                    print(f"error: the load's training step failed: {load.error}", file=sys.stderr)
+                    return 2
+                alone = load.rate(3.0)
+                mark = load.mark()
+                under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
+                beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
+                loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
+                loaded_share = f"{under_share:.2f}"
+                kept = f"{beside / alone:.2f}" if alone else ""
+            print(f"| {name} | {statistics.median(rates):.0f} ({min(rates):.0f}..{max(rates):.0f}) | {share:.2f} "
+                  f"| {loaded} | {loaded_share} | {kept} |", flush=True)
+            if args.profile:
+                print(f"{name}, one pass{' beside the load' if load is not None else ''}:\n"
+                      + profile(decoder, datas, args.batch_size, device), flush=True)
+    finally:
+        if load is not None and load.is_alive():
+            load.stop.set()
+            load.join()  # a thread left inside a step aborts the interpreter's exit
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
