@@ -9,8 +9,10 @@ measurements). The order is measured: on an H200 training ResNet-50 from 4 worke
 op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
 
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
-  behind ``torchvision.io.decode_jpeg(list, device="cuda")``: CUDA cores only (the H200's engines
-  stayed idle under it, docs/BENCHMARKS.md DD3). torchvision 0.29 deprecates its image decoders
+  behind ``torchvision.io.decode_jpeg(list, device="cuda")``: nvJPEG's batched decode, which
+  torchvision sets up on the hardware JPEG engines where the GPU has them (A100, H100, H200) and
+  on the CUDA cores elsewhere (our own nvJPEG binding set up that way decoded the same pixels,
+  docs/BENCHMARKS.md FF2; the engines were busy 17-22% at their peaks under it, DD3). torchvision 0.29 deprecates its image decoders
   in favour of TorchCodec: its Python wrapper warns on every call (a DeprecationWarning, shown
   under pytest and ``-W default``). The op is called directly, so nothing warns per batch; the
   deprecation is stated once, in the banner's pipeline line and docs/INPUT.md. When torchvision
@@ -313,9 +315,10 @@ def describe(decoder: JpegDecoder) -> str:
     if decoder.name == "nvimgcodec":
         return f"nvImageCodec, {decoder.detail}; hw: the GPU's hardware JPEG engines"
     if decoder.name == "torchvision":
-        return ("torchvision's op, on the CUDA cores; torchvision 0.29 deprecates it, TorchCodec or nvImageCodec "
+        return ("torchvision's op, nvJPEG on the hardware JPEG engines where the GPU has them; torchvision 0.29 "
+                "deprecates it, TorchCodec or nvImageCodec "
                 f"take over when it is gone: {INSTALL}")
-    return f"{decoder.name}, on the CUDA cores"
+    return "TorchCodec's nvJPEG call" if decoder.name == "torchcodec" else decoder.name
 
 
 def gpu_capable(decoder: Optional[JpegDecoder]) -> bool:
