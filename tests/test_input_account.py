@@ -48,6 +48,8 @@ def test_idle_workers_and_a_busy_decode_thread_name_the_gpu_decoding_stage():
     assert "already have every CPU" not in line and line.endswith("try --decode cpu -j 15, which decodes in the workers")
     assert "--decode cpu is unlikely to do better" in hint(GPU_SLOW, cpus=8)
     assert hint(READY).startswith("the GPU decoding stage was the limit: its thread had the batches ready ahead")
+    assert hint({**GPU_SLOW, "threads": 3}).startswith(  # IMAGENET_DECODE_THREADS=3
+        "the GPU decoding stage was the limit: its 3 threads, side by side, were busy 44 ms a batch")
 
 
 def test_slow_workers_and_slow_reads_are_named_with_what_to_try():

@@ -3,10 +3,11 @@
 strides: the geometry kernel reads each one as it lies), ``None`` where an image could not be
 decoded.
 
-Three implementations; the first that decodes a small JPEG on this GPU wins
-(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec`` or ``=nvimgcodec`` picks one, for
+Four implementations; the first that decodes a small JPEG on this GPU wins
+(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec``, ``=nvimgcodec`` or ``=nvjpeg`` picks one, for
 measurements). The order is measured: on an H200 training ResNet-50 from 4 workers, torchvision's
-op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
+op fed 73-80% of the step's rate, nvImageCodec 62%, our nvJPEG binding 69-76% with one decode
+thread (docs/BENCHMARKS.md, EE and FF).
 
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
   behind ``torchvision.io.decode_jpeg(list, device="cuda")``: nvJPEG's batched decode, which
@@ -37,6 +38,12 @@ op fed 73% of the step's rate, nvImageCodec 62% (docs/BENCHMARKS.md, EE).
   image stays valid until that thread's next call). Only its JPEG extension is loaded (its other
   codecs print install advice for libraries a trainer never needs).
 
+* ``nvjpeg`` -- our ctypes binding of nvJPEG (:mod:`.nvjpeg`), set up as torchvision sets up its
+  op (the same pixels), on the caller's stream and with a decoding state per thread: several
+  decode threads (``IMAGENET_DECODE_THREADS``, :mod:`.prefetch`) keep several batches in flight,
+  where torchvision's op decodes one at a time behind a process-wide lock. It rests on libnvjpeg
+  itself (torchvision's bundled copy or the ``nvidia-nvjpeg`` wheel), not on a deprecated call.
+
 Each takes the whole batch in one call, first waits on the host for the caller's stream to be
 idle (nvJPEG's hardware path does not order its writes after work queued before it, and
 nvImageCodec reuses the last batch's buffers) and host-synchronises before returning: the calling
@@ -66,7 +73,7 @@ from .decode import _rgb, _to_tensor
 ENV = "IMAGENET_GPU_JPEG"
 # the order "auto" tries them in: torchvision's op trained fastest on the H200 (73% of the step at
 # -j 4 against nvImageCodec's 62%, docs/BENCHMARKS.md EE); TorchCodec makes the same nvJPEG call
-BACKENDS = ("torchvision", "torchcodec", "nvimgcodec")
+BACKENDS = ("torchvision", "torchcodec", "nvimgcodec", "nvjpeg")
 INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
            "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")
 NVIMGCODEC_ENV = "IMAGENET_NVIMGCODEC_BACKENDS"
@@ -253,7 +260,26 @@ def _torchvision() -> Optional[JpegDecoder]:
     return JpegDecoder("torchvision", batched, single)
 
 
-_FACTORIES = {"nvimgcodec": nvimgcodec_decoder, "torchcodec": _torchcodec, "torchvision": _torchvision}
+def nvjpeg_decoder(backend: str = "hw") -> Optional[JpegDecoder]:
+    """Our ctypes binding of nvJPEG (:mod:`.nvjpeg`; ``backend="gpu"`` forces the CUDA-core
+    decoder), or None where no libnvjpeg loads."""
+    from . import nvjpeg
+    lib = nvjpeg.decoder(backend)
+    if lib is None:
+        return None
+
+    def batched(datas, device):
+        if device.type != "cuda":
+            return [pil_decode(d) for d in datas]
+        return lib.decode(datas, device)
+
+    def single(data, device):
+        return batched([data], device)[0]
+    return JpegDecoder("nvjpeg", batched, single, detail=backend)
+
+
+_FACTORIES = {"nvimgcodec": nvimgcodec_decoder, "nvjpeg": nvjpeg_decoder, "torchcodec": _torchcodec,
+              "torchvision": _torchvision}
 _lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it was passed over}), once a process
 
 
@@ -318,6 +344,8 @@ def describe(decoder: JpegDecoder) -> str:
         return ("torchvision's op, nvJPEG on the hardware JPEG engines where the GPU has them; torchvision 0.29 "
                 "deprecates it, TorchCodec or nvImageCodec "
                 f"take over when it is gone: {INSTALL}")
+    if decoder.name == "nvjpeg":
+        return "nvJPEG through our binding, on the hardware JPEG engines where the GPU has them"
     return "TorchCodec's nvJPEG call" if decoder.name == "torchcodec" else decoder.name
 
 

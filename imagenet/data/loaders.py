@@ -21,7 +21,7 @@ from .cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
-from .prefetch import DeviceLoader, Normalize, is_uint8_batch
+from .prefetch import DECODE_THREADS_ENV, DeviceLoader, Normalize, decode_threads, is_uint8_batch
 from .remote import is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
 from .shardindex import ShardIndex
@@ -103,8 +103,10 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
             decoder = gpujpeg.require()
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
-            pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}), one "
-                        "kernel crops, resizes and flips")
+            threads = decode_threads()
+            pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}"
+                        + (f"; {threads} decode threads side by side, {DECODE_THREADS_ENV}" if threads > 1 else "")
+                        + "), one kernel crops, resizes and flips")
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
             train_tf = TrainCropReader(train_tf)
             pipeline = "fast: workers decode and crop, one kernel on the GPU resizes and flips each batch"
@@ -211,5 +213,6 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
-                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder)
+                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder,
+                              decode_threads=decode_threads())
                  for loader in (train_loader, val_loader))

@@ -1,8 +1,8 @@
 """Each GPU JPEG decoder of ``--decode gpu`` alone, then beside a training step on the same GPU.
 
     python scripts/perf/jpeg_decoders.py DIR [--batch-size 384] [--images 3072] [--passes 5]
-        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg:hw:pageable] [--load resnet50|none]
-        [--load-stream default|side] [--profile]
+        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg,nvjpeg:gpu] [--threads 1,2,4]
+        [--load resnet50|none] [--load-stream default|side] [--profile]
 
 Issue 28 measured torchvision's batched nvJPEG call at about 30,000 img/s on an idle H200, while
 in training the same call took 55 ms a batch of 384 (about 7,000 img/s), nearly all of it the
@@ -21,11 +21,11 @@ steps a second alone and beside each decoder (what the decode takes from the ste
 soon as it is measured. ``--profile`` adds one pass of each beside the load under torch's
 profiler: the CUDA calls by host time (a synchronisation per image shows here) and the kernels by
 GPU time. ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
-engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``). A decoder named
-``nvjpeg:BACKEND:STAGING`` is our own ctypes binding of nvJPEG on the caller's stream
-(``scripts/perf/nvjpeg_binding.py``: BACKEND ``hw``, ``gpu`` or ``hw-yuv``, STAGING ``pinned`` or
-``pageable``). ``--threads N`` runs N decoder calls side by side (whether more batches in flight
-would raise the rate where one call waits). ``--device cpu`` runs the same loop on a CPU device
+engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``); ``nvjpeg:gpu`` is
+our nvJPEG binding (``imagenet.data.nvjpeg``) forced onto the CUDA cores. ``--threads 1,2,4``
+measures each decoder with 1, 2 and 4 decoder calls side by side, each in a thread and on a stream
+of its own (whether more batches in flight raise the rate where one call waits: the trainer's
+``IMAGENET_DECODE_THREADS``). ``--device cpu`` runs the same loop on a CPU device
 (each decoder's libjpeg path), to try the tool anywhere.
 """
 
@@ -39,7 +39,6 @@ import statistics
 import sys
 import threading
 import time
-from typing import Optional
 
 import torch
 
@@ -47,9 +46,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from imagenet.base.errors import UserError  # noqa: E402
 from imagenet.data import gpujpeg  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nvjpeg_binding  # noqa: E402
+from imagenet.data import nvjpeg  # noqa: E402
 
 
 class Load(threading.Thread):
@@ -141,18 +138,6 @@ def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threa
     return rates, sum(cpu) / (wall * threads) if wall else 0.0
 
 
-def nvjpeg_decoder(backend: str, staging: str) -> Optional[gpujpeg.JpegDecoder]:
-    """Our ctypes binding of nvJPEG (scripts/perf/nvjpeg_binding.py) behind gpujpeg's interface;
-    None where no libnvjpeg loads. On a CPU device PIL decodes, as gpujpeg's backends do there."""
-    lib = nvjpeg_binding.decoder(backend, staging == "pinned")
-    if lib is None:
-        return None
-
-    def batched(datas, device):
-        return lib.decode(datas, device) if device.type == "cuda" else [gpujpeg.pil_decode(d) for d in datas]
-    return gpujpeg.JpegDecoder(f"nvjpeg {backend} {staging}", batched, lambda d, device: batched([d], device)[0])
-
-
 def profile(decoder, datas: list, batch: int, device: torch.device, top: int = 10) -> str:
     """One pass of the decoder (beside the load where it runs) under torch's profiler: the CUDA
     runtime and driver calls by their total host time (a synchronisation or an allocation that
@@ -182,15 +167,16 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS),
-                   help="comma-separated; nvjpeg:BACKEND:pinned|pageable sets up our nvJPEG binding (BACKEND hw or gpu)")
+                   help="comma-separated; nvjpeg:gpu is our nvJPEG binding on the CUDA cores only")
     p.add_argument("--nvimgcodec-backends", default="",
                    help="more nvImageCodec rows, one per ';'-separated IMAGENET_NVIMGCODEC_BACKENDS value, "
                         "e.g. 'hw;hw:0.7,gpu;hw:0.5,gpu'")
     p.add_argument("--load", choices=("resnet50", "none"), default="resnet50")
     p.add_argument("--load-batch", type=int, default=256)
     p.add_argument("--load-size", type=int, default=224)
-    p.add_argument("--threads", type=int, default=1,
-                   help="decoder calls side by side, each in a thread and on a stream of its own")
+    p.add_argument("--threads", default="1",
+                   help="decoder calls side by side, each in a thread and on a stream of its own; a list (1,2,4) "
+                        "gives a row per count")
     p.add_argument("--load-stream", choices=("side", "default"), default="default",
                    help="the load's stream: CUDA's legacy default stream (main.py's training loop's) or one of its own")
     p.add_argument("--profile", action="store_true",
@@ -206,6 +192,11 @@ def main(argv=None) -> int:
         print(f"error: no images under {os.path.join(args.data, 'train')}", file=sys.stderr)
         return 2
     datas = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path in paths]
+    counts = [t for t in args.threads.split(",") if t]
+    if not counts or not all(t.isdigit() and int(t) >= 1 for t in counts):
+        print(f"error: --threads {args.threads!r}: give decoder calls side by side, e.g. 1 or 1,2,4", file=sys.stderr)
+        return 2
+    counts = [int(t) for t in counts]
     wanted = [(n, None) for n in args.decoders.split(",") if n]
     wanted += [(f"nvimgcodec {spec}", spec) for spec in args.nvimgcodec_backends.split(";") if spec]
     for name, spec in wanted:
@@ -215,29 +206,29 @@ def main(argv=None) -> int:
         except UserError as e:
             print(f"error: --nvimgcodec-backends: {e}", file=sys.stderr)
             return 2
-        parts = name.split(":")
-        if name.startswith("nvjpeg:") and (len(parts) != 3 or parts[1] not in nvjpeg_binding.BACKENDS
-                                           or parts[2] not in ("pinned", "pageable")):
-            print(f"error: --decoders: {name!r}: our nvJPEG binding is named nvjpeg:BACKEND:STAGING, BACKEND one of "
-                  f"{', '.join(nvjpeg_binding.BACKENDS)}, STAGING pinned or pageable", file=sys.stderr)
+        if name.startswith("nvjpeg:") and name.split(":", 1)[1] not in nvjpeg.BACKENDS:
+            print(f"error: --decoders: {name!r}: our nvJPEG binding set up another way is named nvjpeg:BACKEND, "
+                  f"BACKEND one of {', '.join(nvjpeg.BACKENDS)}", file=sys.stderr)
             return 2
     load = Load(device, args.load_batch, args.load_size, args.load_stream) if args.load != "none" else None
-    decoders = []  # (name, decoder or None)
+    decoders = []  # (row name, decoder or None, threads)
     for name, spec in wanted:
         if name.startswith("nvjpeg:"):
-            decoders.append((name, nvjpeg_decoder(*name.split(":")[1:])))
+            decoder = gpujpeg.nvjpeg_decoder(name.split(":", 1)[1])
         else:
-            decoders.append((name, gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)))
+            decoder = gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)
+        decoders += [(name if len(counts) == 1 else f"{name}, {n} thread{'s' if n > 1 else ''}", decoder, n)
+                     for n in counts]
     # every decoder alone first, while the load has not started
-    alone_rates = {name: passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
-                   for name, decoder in decoders if decoder is not None}
+    alone_rates = {name: passes(decoder, datas, args.batch_size, device, args.passes, n)
+                   for name, decoder, n in decoders if decoder is not None}
     print(f"{len(datas)} JPEGs of {args.data}, batches of {args.batch_size}, {args.passes} passes after one, on "
-          f"{device}, {args.threads} decoding thread(s); load: {args.load}"
+          f"{device}, decoding threads {args.threads}; load: {args.load}"
           + (f" (batch {args.load_batch}, {args.load_size} px, {args.load_stream} stream)" if load else ""))
     print("\n| decoder | img/s alone | thread CPU share | img/s beside the load | thread CPU share "
           "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |", flush=True)
     try:
-        for name, decoder in decoders:  # each row printed once measured: a run cut short keeps its rows
+        for name, decoder, n in decoders:  # each row printed once measured: a run cut short keeps its rows
             if decoder is None:
                 print(f"| {name} | not available here | | | | |", flush=True)
                 continue
@@ -252,7 +243,7 @@ def main(argv=None) -> int:
                     return 2
                 alone = load.rate(3.0)
                 mark = load.mark()
-                under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, args.threads)
+                under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, n)
                 beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
                 loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
                 loaded_share = f"{under_share:.2f}"
@@ -267,6 +258,7 @@ def main(argv=None) -> int:
             load.stop.set()
             load.join()  # a thread left inside a step aborts the interpreter's exit
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
