@@ -214,7 +214,6 @@ class _DecodeStage:
         self.end: Optional[int] = None  # the place where the iterator ended (or failed)
         self.done: dict = {}  # place -> ("batch", prepared, event) or ("error", exception, None)
         self.stop = threading.Event()
-        self.first = True  # the first wait for the workers is their start-up: not counted
         threads = max(1, loader.decode_threads)
         loader.account.threads = threads
         self.threads = [threading.Thread(target=self._run, name=f"batch-prepare-{k}", daemon=True)
