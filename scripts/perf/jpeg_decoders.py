@@ -238,10 +238,10 @@ def main(argv=None) -> int:
                 if not load.is_alive() and load.error is None:
                     load.start()
                     load.running.wait()
+                    alone = load.rate(3.0) if load.error is None else 0.0  # its steps a second alone, once
                 if load.error is not None:
                     print(f"error: the load's training step failed: {load.error}", file=sys.stderr)
                     return 2
-                alone = load.rate(3.0)
                 mark = load.mark()
                 under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, n)
                 beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
