@@ -13,11 +13,12 @@ thread (docs/BENCHMARKS.md, EE and FF).
   behind ``torchvision.io.decode_jpeg(list, device="cuda")``: nvJPEG's batched decode, which
   torchvision sets up on the hardware JPEG engines where the GPU has them (A100, H100, H200) and
   on the CUDA cores elsewhere (our own nvJPEG binding set up that way decoded the same pixels,
-  docs/BENCHMARKS.md FF2; the engines were busy 17-22% at their peaks under it, DD3). torchvision 0.29 deprecates its image decoders
-  in favour of TorchCodec: its Python wrapper warns on every call (a DeprecationWarning, shown
-  under pytest and ``-W default``). The op is called directly, so nothing warns per batch; the
-  deprecation is stated once, in the banner's pipeline line and docs/INPUT.md. When torchvision
-  drops the op this backend reports itself missing and the message says what to install.
+  docs/BENCHMARKS.md FF2; the engines were busy 17-22% at their peaks under it, DD3). torchvision
+  0.29 deprecates its image decoders in favour of TorchCodec: its Python wrapper warns on every
+  call (a DeprecationWarning, shown under pytest and ``-W default``). The op is called directly,
+  so nothing warns per batch; the deprecation is stated once, in the banner's pipeline line and
+  docs/INPUT.md. When torchvision drops the op this backend reports itself missing and the
+  message says what to install.
 * ``torchcodec`` -- TorchCodec's ``decode_jpeg`` (torchcodec >= 0.16, which needs no FFmpeg for
   images): the successor torchvision 0.29 names for its image decoders. One batched nvJPEG
   call, like torchvision's, but on the caller's stream (ours, high priority) rather than a pool
@@ -71,8 +72,9 @@ from ..base.errors import UserError
 from .decode import _rgb, _to_tensor
 
 ENV = "IMAGENET_GPU_JPEG"
-# the order "auto" tries them in: torchvision's op trained fastest on the H200 (73% of the step at
-# -j 4 against nvImageCodec's 62%, docs/BENCHMARKS.md EE); TorchCodec makes the same nvJPEG call
+# the order "auto" tries them in: torchvision's op trained fastest on the H200 (73-80% of the step at
+# -j 4 against nvImageCodec's 62% and, with one decode thread, our nvJPEG binding's 69-76%,
+# docs/BENCHMARKS.md EE and FF); TorchCodec makes the same nvJPEG call
 BACKENDS = ("torchvision", "torchcodec", "nvimgcodec", "nvjpeg")
 INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
            "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")

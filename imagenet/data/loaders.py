@@ -214,5 +214,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
                               background=cfg.decode == "gpu", decoder=data.jpeg_decoder,
-                              decode_threads=decode_threads())
+                              decode_threads=decode_threads() if cfg.decode == "gpu" else 1)
                  for loader in (train_loader, val_loader))

@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-stream", choices=("side", "default"), default="default",
                    help="the load's stream: CUDA's legacy default stream (main.py's training loop's) or one of its own")
     p.add_argument("--profile", action="store_true",
-                   help="one more pass of each decoder beside the load under torch's profiler: its CUDA calls and kernels")
+                   help="one more pass of each decoder beside the load under torch's profiler: its CUDA calls "
+                        "and kernels")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     device = torch.device(args.device)
