@@ -94,11 +94,12 @@ def _not_a_bad_image(e: Exception) -> bool:
 class JpegDecoder:
     """A batched JPEG decoder: ``decode(datas, device)`` -> list of CHW uint8 RGB or None."""
 
-    def __init__(self, name: str, batched: Callable, single: Callable, detail: str = ""):
+    def __init__(self, name: str, batched: Callable, single: Optional[Callable] = None, detail: str = ""):
         self.name = name
         self.detail = detail  # how it is set up, for the banner (nvImageCodec's backends)
         self._batched = batched  # (list of CPU uint8 tensors, device) -> list of CHW uint8
-        self._single = single  # (one CPU uint8 tensor, device) -> CHW uint8
+        # (one CPU uint8 tensor, device) -> CHW uint8; default: the batched call on that image alone
+        self._single = single or (lambda data, device: batched([data], device)[0])
 
     def decode(self, datas: list, device: torch.device) -> list:
         if not datas:
@@ -133,9 +134,7 @@ def _torchcodec() -> Optional[JpegDecoder]:
             torch.cuda.current_stream(device).synchronize()
         return decode_jpeg(datas, mode="RGB", device=device)
 
-    def single(data, device):
-        return batched([data], device)[0]
-    return JpegDecoder("torchcodec", batched, single)
+    return JpegDecoder("torchcodec", batched)
 
 
 def pil_decode(data: torch.Tensor) -> Optional[torch.Tensor]:
@@ -233,9 +232,7 @@ def nvimgcodec_decoder(spec: Optional[str] = None) -> Optional[JpegDecoder]:
         stream.synchronize()
         return out
 
-    def single(data, device):
-        return batched([data], device)[0]
-    return JpegDecoder("nvimgcodec", batched, single, detail=f"backends {spec}")
+    return JpegDecoder("nvimgcodec", batched, detail=f"backends {spec}")
 
 
 def _torchvision() -> Optional[JpegDecoder]:
@@ -257,9 +254,7 @@ def _torchvision() -> Optional[JpegDecoder]:
         torch.cuda.current_stream(device).synchronize()
         return cuda_op(datas, rgb, device)
 
-    def single(data, device):
-        return batched([data], device)[0]
-    return JpegDecoder("torchvision", batched, single)
+    return JpegDecoder("torchvision", batched)
 
 
 def nvjpeg_decoder(backend: str = "hw") -> Optional[JpegDecoder]:
@@ -275,9 +270,7 @@ def nvjpeg_decoder(backend: str = "hw") -> Optional[JpegDecoder]:
             return [pil_decode(d) for d in datas]
         return lib.decode(datas, device)
 
-    def single(data, device):
-        return batched([data], device)[0]
-    return JpegDecoder("nvjpeg", batched, single, detail=backend)
+    return JpegDecoder("nvjpeg", batched, detail=backend)
 
 
 _FACTORIES = {"nvimgcodec": nvimgcodec_decoder, "nvjpeg": nvjpeg_decoder, "torchcodec": _torchcodec,

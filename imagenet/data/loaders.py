@@ -76,6 +76,7 @@ class DataBundle:
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
     jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
+    decode_threads: int = 1  # --decode gpu's threads preparing batches side by side (IMAGENET_DECODE_THREADS)
 
 
 def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
@@ -91,7 +92,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
     shards = _shard_index(cfg, root)
     classes = shards.classes if shards is not None else check_layout(root)
-    decoder = None
+    decoder, threads = None, 1
     if cfg.data_pipeline == "fast":
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
@@ -120,10 +121,10 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         train = ShardDataset(shards.splits["train"], train_tf, loader)
         val = ShardDataset(shards.splits["val"], val_tf, loader)
         layout = f"tar shards ({len(train)} train / {len(val)} val in {shards.shard_count} shards)"
-        return DataBundle(train, val, classes, root, pipeline, layout, decoder)
+        return DataBundle(train, val, classes, root, pipeline, layout, decoder, threads)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
-    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder)
+    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder, decode_threads=threads)
 
 
 def _shard_index(cfg, root: str) -> Optional[ShardIndex]:
@@ -214,5 +215,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
                               background=cfg.decode == "gpu", decoder=data.jpeg_decoder,
-                              decode_threads=decode_threads() if cfg.decode == "gpu" else 1)
+                              decode_threads=data.decode_threads)
                  for loader in (train_loader, val_loader))

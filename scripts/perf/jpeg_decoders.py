@@ -138,7 +138,12 @@ def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threa
     return rates, sum(cpu) / (wall * threads) if wall else 0.0
 
 
-def profile(decoder, datas: list, batch: int, device: torch.device, top: int = 10) -> str:
+def _gpu_us(event) -> float:
+    """An averaged profiler event's GPU time in microseconds (``cuda_time_total`` before torch 2.5)."""
+    return getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
+
+
+def profile(decoder, datas: list, batch: int, device: torch.device, threads: int = 1, top: int = 10) -> str:
     """One pass of the decoder (beside the load where it runs) under torch's profiler: the CUDA
     runtime and driver calls by their total host time (a synchronisation or an allocation that
     waits for the whole device shows here, with its count), and the GPU kernels by their device
@@ -147,16 +152,15 @@ def profile(decoder, datas: list, batch: int, device: torch.device, top: int = 1
     from torch.profiler import profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        passes(decoder, datas, batch, device, 0)
+        passes(decoder, datas, batch, device, 0, threads)
     events = prof.key_averages()
-    api = sorted((e for e in events if e.key.startswith(("cuda", "cu")) and e.cpu_time_total > 0),
+    api = sorted((e for e in events if e.key.startswith("cu") and e.cpu_time_total > 0),
                  key=lambda e: -e.cpu_time_total)[:top]
-    kernels = sorted((e for e in events if getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) > 0
-                      and not e.key.startswith(("cuda", "cu", "aten::", "Memcpy", "Memset"))),
-                     key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))[:top]
+    kernels = sorted((e for e in events
+                      if _gpu_us(e) > 0 and not e.key.startswith(("cu", "aten::", "Memcpy", "Memset"))),
+                     key=lambda e: -_gpu_us(e))[:top]
     lines = [f"  {e.key[:60]}: {e.count} calls, {e.cpu_time_total / 1000:.1f} ms host" for e in api]
-    lines += [f"  kernel {e.key[:60]}: {e.count}, "
-              f"{getattr(e, 'device_time_total', getattr(e, 'cuda_time_total', 0)) / 1000:.1f} ms GPU" for e in kernels]
+    lines += [f"  kernel {e.key[:60]}: {e.count}, {_gpu_us(e) / 1000:.1f} ms GPU" for e in kernels]
     return "\n".join(lines) or "  (no CUDA call or kernel recorded)"
 
 
@@ -253,7 +257,7 @@ def main(argv=None) -> int:
                   f"| {loaded} | {loaded_share} | {kept} |", flush=True)
             if args.profile:
                 print(f"{name}, one pass{' beside the load' if load is not None else ''}:\n"
-                      + profile(decoder, datas, args.batch_size, device), flush=True)
+                      + profile(decoder, datas, args.batch_size, device, n), flush=True)
     finally:
         if load is not None and load.is_alive():
             load.stop.set()
