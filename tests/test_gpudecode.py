@@ -177,7 +177,7 @@ def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fre
     did. Without the probe every image would fall back to PIL in the decode thread, unreported."""
     no_nvjpeg = RuntimeError("torchcodec was not compiled with nvJPEG support")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpujpeg, "_FACTORIES", {"nvimgcodec": lambda: None, "nvjpeg": lambda: None,
+    monkeypatch.setattr(gpujpeg, "_FACTORIES", {"nvimgcodec": lambda: None, "nvjpeg": lambda: None, "dali": lambda: None,
                                                 "torchvision": lambda: _stub("torchvision", no_nvjpeg),
                                                 "torchcodec": lambda: _stub("torchcodec")})
     assert gpujpeg.find().name == "torchcodec" and gpujpeg.gpu_capable(gpujpeg.find())
@@ -185,7 +185,7 @@ def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fre
         gpujpeg.require("torchvision")
     monkeypatch.setattr(gpujpeg, "_lookups", {})
     monkeypatch.setattr(gpujpeg, "_FACTORIES", {"nvimgcodec": lambda: None, "torchvision": lambda: None,
-                                                "nvjpeg": lambda: None,
+                                                "nvjpeg": lambda: None, "dali": lambda: None,
                                                 "torchcodec": lambda: _stub("torchcodec", no_nvjpeg)})
     assert gpujpeg.find() is None and not gpujpeg.gpu_capable(gpujpeg.find())
     with pytest.raises(UserError, match="torchvision: not installed.*torchcodec: RuntimeError.*nvimgcodec: "
@@ -196,15 +196,34 @@ def test_a_decoder_that_cannot_decode_on_the_gpu_is_passed_over(monkeypatch, fre
 def test_the_decoders_are_tried_in_the_measured_order(monkeypatch, fresh_lookup):
     """torchvision's op fed the H200's training step fastest; TorchCodec makes the same nvJPEG
     call; nvImageCodec (slower there) takes over where neither is installed, and our nvJPEG
-    binding (slower with one decode thread) where none of them is."""
-    stubs = {name: (lambda name=name: _stub(name)) for name in ("torchcodec", "torchvision", "nvimgcodec", "nvjpeg")}
+    binding (slower with one decode thread) where none of them is, then DALI."""
+    stubs = {name: (lambda name=name: _stub(name)) for name in gpujpeg.BACKENDS}
     monkeypatch.setattr(gpujpeg, "_FACTORIES", stubs)
     for missing, first in (("", "torchvision"), ("torchvision", "torchcodec"), ("torchcodec", "nvimgcodec"),
-                           ("nvimgcodec", "nvjpeg")):
+                           ("nvimgcodec", "nvjpeg"), ("nvjpeg", "dali")):
         if missing:
             monkeypatch.setitem(stubs, missing, lambda: None)
         monkeypatch.setattr(gpujpeg, "_lookups", {})
         assert gpujpeg.find().name == first
+
+
+def test_dalis_engine_share_is_checked(monkeypatch):
+    """IMAGENET_DALI_HW_LOAD: the share of a batch DALI's decoder sends to the hardware engines;
+    a value that is not one is refused with the fix, before DALI is looked for."""
+    assert gpujpeg.dali_hw_load("") is None and gpujpeg.dali_hw_load("0.9") == 0.9
+    monkeypatch.setenv(gpujpeg.DALI_ENV, "1")
+    assert gpujpeg.dali_hw_load() == 1.0
+    for bad in ("0", "1.5", "most"):
+        with pytest.raises(UserError, match="IMAGENET_DALI_HW_LOAD.*0 < x <= 1"):
+            gpujpeg.dali_hw_load(bad)
+    monkeypatch.setenv(gpujpeg.DALI_ENV, "2")
+    with pytest.raises(UserError, match="IMAGENET_DALI_HW_LOAD='2'"):
+        gpujpeg.dali_decoder()
+    monkeypatch.delenv(gpujpeg.DALI_ENV)
+    decoder = gpujpeg.dali_decoder(0.5)
+    if decoder is None:
+        pytest.skip("DALI is not installed here")
+    assert "DALI" in gpujpeg.describe(decoder) and "0.5" in decoder.detail
 
 
 def test_the_nvjpeg_binding_is_found_where_libnvjpeg_loads(files):
@@ -497,9 +516,9 @@ def test_on_the_gpu_every_image_arrives_once_with_the_cpu_paths_crop(files, tmp_
 
 
 @cuda
-@pytest.mark.parametrize("other", ["torchcodec", "nvimgcodec", "nvjpeg"])
+@pytest.mark.parametrize("other", ["torchcodec", "nvimgcodec", "nvjpeg", "dali"])
 def test_the_decoders_agree_on_the_gpu(files, other):
-    """TorchCodec, nvImageCodec (where installed) and our nvJPEG binding against torchvision's op:
+    """TorchCodec, nvImageCodec, DALI (where installed) and our nvJPEG binding against torchvision's op:
     TorchCodec is the same nvJPEG decode, and our binding sets nvJPEG up as the op does (the same
     pixels on the H200, docs/BENCHMARKS.md FF2); nvImageCodec's decode differs (on the H200, on these small colour photos,
     2.4 levels apart on average and 16 at most with its default backends, 5.0 and 27 with the
@@ -509,7 +528,7 @@ def test_the_decoders_agree_on_the_gpu(files, other):
     if codec is None or vision is None:
         pytest.skip(f"needs both {other} and torchvision's nvJPEG op")
     datas = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in files["jpeg"]] * 3
-    for _ in range(2):  # nvImageCodec's second batch reuses the first one's buffers
+    for _ in range(2):  # nvImageCodec's second batch reuses the first one's buffers, DALI's its pipeline
         a, b = codec.decode(datas, torch.device("cuda")), vision.decode(datas, torch.device("cuda"))
         for x, y in zip(a, b):
             diff = (x.int() - y.int()).abs()
@@ -552,6 +571,8 @@ def test_the_decoder_benchmark_runs_alone_and_beside_a_load(files, tmp_path, cap
         assert ("one pass beside the load" in out) == (threads == "1")
     assert bench.main(common + ["--load", "none", "--decoders", "nvjpeg:hw-yuv"]) == 2
     assert "nvjpeg:BACKEND" in capsys.readouterr().err
+    assert bench.main(common + ["--load", "none", "--decoders", "dali:all"]) == 2
+    assert "IMAGENET_DALI_HW_LOAD='all'" in capsys.readouterr().err
     assert bench.main(common + ["--load", "none", "--threads", "0"]) == 2
     assert "--threads '0'" in capsys.readouterr().err
     assert bench.main(common + ["--load-batch", "1"]) == 2  # BatchNorm cannot train on one image at 1x1

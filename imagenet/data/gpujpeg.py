@@ -3,11 +3,11 @@
 strides: the geometry kernel reads each one as it lies), ``None`` where an image could not be
 decoded.
 
-Four implementations; the first that decodes a small JPEG on this GPU wins
-(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec``, ``=nvimgcodec`` or ``=nvjpeg`` picks one, for
-measurements). The order is measured: on an H200 training ResNet-50 from 4 workers, torchvision's
-op fed 73-80% of the step's rate, nvImageCodec 62%, our nvJPEG binding 69-76% with one decode
-thread (docs/BENCHMARKS.md, EE and FF).
+Five implementations; the first that decodes a small JPEG on this GPU wins
+(``IMAGENET_GPU_JPEG=torchvision``, ``=torchcodec``, ``=nvimgcodec``, ``=nvjpeg`` or ``=dali``
+picks one, for measurements). The order is measured: on an H200 training ResNet-50 from 4
+workers, torchvision's op fed 73-80% of the step's rate, nvImageCodec 62%, our nvJPEG binding
+69-76% (with 1, 2 or 4 decode threads alike), DALI 61-64% (docs/BENCHMARKS.md, EE, FF and GG).
 
 * ``torchvision`` -- torchvision's nvJPEG op (``torch.ops.image.decode_jpegs_cuda``), the call
   behind ``torchvision.io.decode_jpeg(list, device="cuda")``: nvJPEG's batched decode, which
@@ -44,6 +44,14 @@ thread (docs/BENCHMARKS.md, EE and FF).
   decode threads (``IMAGENET_DECODE_THREADS``, :mod:`.prefetch`) keep several batches in flight,
   where torchvision's op decodes one at a time behind a process-wide lock. It rests on libnvjpeg
   itself (torchvision's bundled copy or the ``nvidia-nvjpeg`` wheel), not on a deprecated call.
+* ``dali`` -- NVIDIA DALI's image decoder (``pip install nvidia-dali-cuda130``, or ``-cuda120``),
+  an optional extra: a pipeline per decode thread feeds it a batch's JPEGs and runs its
+  ``mixed`` decoder, which gives ``IMAGENET_DALI_HW_LOAD`` of the batch (DALI's default 0.65) to
+  the hardware engines and the rest to the CUDA cores, parsing on :data:`DALI_THREADS` host
+  threads. Its images are copied, in one call on our stream, into memory torch's allocator
+  owns (DALI's own buffers go back to its pool unordered after our kernels). Its pixels agree
+  with torchvision's op within nvImageCodec's bounds (tests/test_gpudecode.py on the H200, GG3; DALI 2.x
+  decodes through nvImageCodec).
 
 Each takes the whole batch in one call, first waits on the host for the caller's stream to be
 idle (nvJPEG's hardware path does not order its writes after work queued before it, and
@@ -75,12 +83,14 @@ ENV = "IMAGENET_GPU_JPEG"
 # the order "auto" tries them in: torchvision's op trained fastest on the H200 (73-80% of the step at
 # -j 4 against nvImageCodec's 62% and, with one decode thread, our nvJPEG binding's 69-76%,
 # docs/BENCHMARKS.md EE and FF); TorchCodec makes the same nvJPEG call
-BACKENDS = ("torchvision", "torchcodec", "nvimgcodec", "nvjpeg")
+BACKENDS = ("torchvision", "torchcodec", "nvimgcodec", "nvjpeg", "dali")
 INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
            "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")
 NVIMGCODEC_ENV = "IMAGENET_NVIMGCODEC_BACKENDS"
 NVIMGCODEC_KINDS = {"hw": "HW_GPU_ONLY", "gpu": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
 NVIMGCODEC_THREADS = 4  # its host threads (parsing, the engines' submission); not one per core
+DALI_ENV = "IMAGENET_DALI_HW_LOAD"
+DALI_THREADS = 4  # DALI's host threads (parsing; Huffman decoding of the CUDA cores' share)
 
 
 def _not_a_bad_image(e: Exception) -> bool:
@@ -273,8 +283,77 @@ def nvjpeg_decoder(backend: str = "hw") -> Optional[JpegDecoder]:
     return JpegDecoder("nvjpeg", batched, detail=backend)
 
 
-_FACTORIES = {"nvimgcodec": nvimgcodec_decoder, "nvjpeg": nvjpeg_decoder, "torchcodec": _torchcodec,
-              "torchvision": _torchvision}
+def dali_hw_load(value: Optional[str] = None) -> Optional[float]:
+    """``IMAGENET_DALI_HW_LOAD``: the share of a batch DALI's decoder gives the hardware engines
+    (0 < x <= 1), or None for DALI's own default."""
+    value = os.environ.get(DALI_ENV, "") if value is None else value
+    if not value:
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise UserError(f"{DALI_ENV}={value!r}: give the share of a batch DALI's decoder sends to the hardware "
+                        "JPEG engines, 0 < x <= 1 (the rest goes to the CUDA cores), e.g. 0.65")
+    return share
+
+
+def dali_decoder(hw_load: Optional[float] = None) -> Optional[JpegDecoder]:
+    """DALI's image decoder (``nvidia-dali-cuda130``/``-cuda120``), its ``mixed`` device: the
+    hardware engines take ``hw_load`` of a batch (default ``$IMAGENET_DALI_HW_LOAD``, else DALI's
+    own), the CUDA cores the rest, its host threads parse. None where DALI is not installed."""
+    hw_load = dali_hw_load() if hw_load is None else hw_load
+    try:
+        from nvidia.dali import fn, types
+        from nvidia.dali.pipeline import Pipeline
+    except Exception:  # not installed, or its libraries do not load here
+        return None
+    # per thread (freed with it): device index -> its pipeline; a pipeline runs one call at a time
+    local = threading.local()
+
+    def pipeline(index: int, size: int):
+        pipes = local.__dict__.setdefault("pipes", {})
+        if index not in pipes or pipes[index].max_batch_size < size:
+            pipe = Pipeline(batch_size=size, num_threads=DALI_THREADS, device_id=index, prefetch_queue_depth=1)
+            with pipe:
+                jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
+                extra = {} if hw_load is None else {"hw_decoder_load": hw_load}
+                pipe.set_outputs(fn.decoders.image(jpegs, device="mixed", output_type=types.RGB, **extra))
+            pipe.build()
+            pipes[index] = pipe
+        return pipes[index]
+
+    def batched(datas, device):
+        if device.type != "cuda":
+            return [pil_decode(d) for d in datas]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device)
+        pipe = pipeline(index, len(datas))
+        try:
+            pipe.feed_input("jpegs", [d.numpy() for d in datas])
+            images, = pipe.run()
+        except Exception as e:  # a bad image fails the batch and leaves the pipeline unusable
+            local.pipes.pop(index, None)
+            raise RuntimeError(f"DALI could not decode the batch: {str(e).splitlines()[0] if str(e) else e}") from e
+        # copied out, in one call on our stream, into memory torch's allocator owns: DALI's own
+        # buffers return to its pool when dropped, unordered after our kernels that read them
+        shapes = [tuple(images[k].shape()) for k in range(len(images))]
+        buffer = torch.empty(sum(h * w * c for h, w, c in shapes), dtype=torch.uint8, device=device)
+        images.copy_to_external(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_void_p(stream.cuda_stream), True)
+        out, start = [], 0
+        for h, w, c in shapes:
+            out.append(buffer[start:start + h * w * c].view(h, w, c).permute(2, 0, 1))
+            start += h * w * c
+        stream.synchronize()
+        return out
+
+    return JpegDecoder("dali", batched, detail="hardware engines' share " + ("DALI's default" if hw_load is None
+                                                                             else f"{hw_load:g}"))
+
+
+_FACTORIES = {"dali": dali_decoder, "nvimgcodec": nvimgcodec_decoder, "nvjpeg": nvjpeg_decoder,
+              "torchcodec": _torchcodec, "torchvision": _torchvision}
 _lookups: dict = {}  # name asked for -> (the decoder or None, {backend: why it was passed over}), once a process
 
 
@@ -341,6 +420,8 @@ def describe(decoder: JpegDecoder) -> str:
                 f"take over when it is gone: {INSTALL}")
     if decoder.name == "nvjpeg":
         return "nvJPEG through our binding, on the hardware JPEG engines where the GPU has them"
+    if decoder.name == "dali":
+        return f"DALI's decoder, the hardware JPEG engines and the CUDA cores ({decoder.detail})"
     return "TorchCodec's nvJPEG call" if decoder.name == "torchcodec" else decoder.name
 
 

@@ -1,7 +1,7 @@
 """Each GPU JPEG decoder of ``--decode gpu`` alone, then beside a training step on the same GPU.
 
     python scripts/perf/jpeg_decoders.py DIR [--batch-size 384] [--images 3072] [--passes 5]
-        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg,nvjpeg:gpu] [--threads 1,2,4]
+        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg,nvjpeg:gpu,dali,dali:0.9] [--threads 1,2,4]
         [--load resnet50|none] [--load-stream default|side] [--profile]
 
 Issue 28 measured torchvision's batched nvJPEG call at about 30,000 img/s on an idle H200, while
@@ -22,7 +22,8 @@ soon as it is measured. ``--profile`` adds one pass of each beside the load unde
 profiler: the CUDA calls by host time (a synchronisation per image shows here) and the kernels by
 GPU time. ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
 engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``); ``nvjpeg:gpu`` is
-our nvJPEG binding (``imagenet.data.nvjpeg``) forced onto the CUDA cores. ``--threads 1,2,4``
+our nvJPEG binding (``imagenet.data.nvjpeg``) forced onto the CUDA cores, ``dali:0.9`` DALI's
+decoder with 90% of each batch on the hardware engines. ``--threads 1,2,4``
 measures each decoder with 1, 2 and 4 decoder calls side by side, each in a thread and on a stream
 of its own (whether more batches in flight raise the rate where one call waits: the trainer's
 ``IMAGENET_DECODE_THREADS``). ``--device cpu`` runs the same loop on a CPU device
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS),
-                   help="comma-separated; nvjpeg:gpu is our nvJPEG binding on the CUDA cores only")
+                   help="comma-separated; nvjpeg:gpu is our nvJPEG binding on the CUDA cores only, dali:0.9 DALI's "
+                        "decoder giving the hardware engines 90%% of a batch")
     p.add_argument("--nvimgcodec-backends", default="",
                    help="more nvImageCodec rows, one per ';'-separated IMAGENET_NVIMGCODEC_BACKENDS value, "
                         "e.g. 'hw;hw:0.7,gpu;hw:0.5,gpu'")
@@ -211,6 +213,12 @@ def main(argv=None) -> int:
         except UserError as e:
             print(f"error: --nvimgcodec-backends: {e}", file=sys.stderr)
             return 2
+        try:
+            if name.startswith("dali:"):
+                gpujpeg.dali_hw_load(name.split(":", 1)[1])
+        except UserError as e:
+            print(f"error: --decoders: {name!r}: {e}", file=sys.stderr)
+            return 2
         if name.startswith("nvjpeg:") and name.split(":", 1)[1] not in nvjpeg.BACKENDS:
             print(f"error: --decoders: {name!r}: our nvJPEG binding set up another way is named nvjpeg:BACKEND, "
                   f"BACKEND one of {', '.join(nvjpeg.BACKENDS)}", file=sys.stderr)
@@ -220,6 +228,8 @@ def main(argv=None) -> int:
     for name, spec in wanted:
         if name.startswith("nvjpeg:"):
             decoder = gpujpeg.nvjpeg_decoder(name.split(":", 1)[1])
+        elif name.startswith("dali:"):
+            decoder = gpujpeg.dali_decoder(gpujpeg.dali_hw_load(name.split(":", 1)[1]))
         else:
             decoder = gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)
         decoders += [(name if len(counts) == 1 else f"{name}, {n} thread{'s' if n > 1 else ''}", decoder, n)
