@@ -31,9 +31,9 @@ def test_the_plain_command_on_a_gpu_takes_the_fastest_mode(machine, precision):
     plan = plan_of(["DIR", "-a", "resnet50", "-b", "256", *precision], machine)
     assert settings(plan) == (True, "triton", "triton", "reduce-overhead")
     text = lines(plan)
-    for flag in ("--no-channels-last", "--maxpool-kernel torch", "--bn-kernel torch", "--compile off"):
+    for flag in ("--no-channels-last", "--maxpool-kernel torch", "--bn-kernel torch", "--compile off", "--decode"):
         assert flag in text, text  # every automatic choice names the flag that changes it
-    assert len(plan.choices) == 4
+    assert len(plan.choices) == 5
 
 
 def test_a_cpu_run_is_what_it_was():
@@ -51,7 +51,7 @@ def test_the_demo_config_resolves_as_before_on_a_cpu():
 
 
 def test_explicit_flags_are_never_overridden():
-    plan = plan_of(["DIR", "--compile", "off", "--no-channels-last", "--maxpool-kernel", "torch"], GPU)
+    plan = plan_of(["DIR", "--compile", "off", "--no-channels-last", "--maxpool-kernel", "torch", "--decode", "cpu"], GPU)
     assert settings(plan) == (False, "torch", "torch", "off")
     # the one automatic choice left says why the fused kernels cannot run
     assert len(plan.choices) == 1 and "channels_last tensors only" in lines(plan)
@@ -135,9 +135,9 @@ def test_the_plain_command_trains_on_the_fast_path_under_ddp(tmp_path, precision
 
 
 # --decode auto: where JPEGs are decoded, decided with the other defaults (imagenet/data/decodechoice.py)
-def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_process=1):
+def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_process=1, jpeg=None):
     return Machine(device, mode, triton=device == "cuda", cpus_per_gpu=cpus_per_gpu,
-                   gpus_per_process=gpus_per_process, gpu_decode=gpu_decode)
+                   gpus_per_process=gpus_per_process, gpu_decode=gpu_decode, jpeg=jpeg)
 
 
 @pytest.mark.parametrize("flags, host, decode, words", [
@@ -151,8 +151,9 @@ def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_p
     # DataParallel: one process's workers feed every GPU
     (["-j", "24"], machine(16, mode="dp", gpus_per_process=2), "cpu", "12 decoding"),
     (["-j", "16"], machine(16, mode="dp", gpus_per_process=2), "gpu", "8 decoding"),
-    (["-j", "15"], machine(2, device="cpu", mode="cpu", gpu_decode=False), "cpu", "no CUDA GPU"),
     ([], machine(16, gpu_decode=False), "cpu", "no GPU JPEG decoder"),
+    ([], machine(2, jpeg=False), "cpu", "the training images are not JPEGs: nvJPEG decodes only JPEGs"),
+    ([], machine(2, jpeg=True), "gpu", "2 decoding for each GPU"),
     (["--data-pipeline", "classic"], machine(2), "cpu", "--data-pipeline classic"),
     (["--auto-augment", "randaugment"], machine(2), "cpu", "work on decoded pixels in the workers"),
     (["--random-erase", "0.25"], machine(2), "cpu", "work on decoded pixels in the workers"),
@@ -165,6 +166,27 @@ def test_decode_auto_chooses_by_the_machine_and_says_why(flags, host, decode, wo
     assert line[0].startswith(f"JPEGs decoded {'on the GPU' if decode == 'gpu' else 'in the CPU workers'}")
     cfg = parse_config(["DIR", "--decode", "auto", *flags])
     assert plan.apply(cfg).decode == decode  # what the run and its config.yaml take
+
+
+def test_decode_auto_is_the_default_and_a_cpu_run_says_nothing_of_it():
+    assert parse_config(["DIR"]).decode == "auto"
+    plan = plan_of(["DIR", "-j", "2"], machine(2, device="cpu", mode="cpu", gpu_decode=False))
+    assert plan.decode == "cpu" and "--decode" not in lines(plan)  # a CPU run decodes in its workers, as always
+    plan = plan_of([], machine(2, jpeg=False))  # no DIR: the built-in dataset, PNGs
+    assert plan.decode == "cpu" and "the built-in dataset is stored as PNGs" in lines(plan)
+
+
+def test_images_are_jpeg_looks_at_the_first_class_folder(tmp_path):
+    from imagenet.data.folder import images_are_jpeg
+    assert images_are_jpeg(str(tmp_path)) is None  # nothing to look at: shards, a URL, no folder yet
+    (tmp_path / "train" / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "train" / "a" / "notes.txt").write_text("x")
+    assert images_are_jpeg(str(tmp_path)) is None
+    (tmp_path / "train" / "a" / "sub" / "1.JPEG").write_bytes(b"")
+    assert images_are_jpeg(str(tmp_path)) is True
+    (tmp_path / "train" / "a" / "sub" / "1.JPEG").unlink()
+    (tmp_path / "train" / "a" / "0.png").write_bytes(b"")
+    assert images_are_jpeg(str(tmp_path)) is False
 
 
 def test_decode_auto_names_the_flag_that_changes_it():
@@ -188,18 +210,35 @@ def test_the_machine_is_read_from_the_launch_context(monkeypatch):
 
     from imagenet.parallel.distributed import DistContext
     monkeypatch.setattr("imagenet.training.defaults.usable_cpus", lambda: 64)
-    cpu = Machine.of(DistContext("cpu", torch.device("cpu"), "test"))
-    assert cpu.cpus_per_gpu == 64 and not cpu.gpu_decode
+    cpu = Machine.of(DistContext("cpu", torch.device("cpu"), "test"), "auto", "/no/such/dir")
+    assert cpu.cpus_per_gpu == 64 and not cpu.gpu_decode and cpu.jpeg is None  # looked up only for a GPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight processes, one GPU each, share the 64 cores
     ddp = Machine.of(DistContext("ddp", torch.device("cpu"), "test", world_size=16))
     assert ddp.cpus_per_gpu == 8 and ddp.gpus_per_process == 1
 
 
+def test_a_gpu_machine_looks_at_the_images_only_for_decode_auto(monkeypatch, tmp_path):
+    import torch
+
+    from imagenet.parallel.distributed import DistContext
+    monkeypatch.setattr("imagenet.training.defaults.gpu_decoder_available", lambda: True)
+    monkeypatch.setattr("imagenet.kernels.fusedbn.available", lambda: True)
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    (tmp_path / "train" / "a" / "0.png").write_bytes(b"")
+    gpu = DistContext("gpu", torch.device("cuda", 0), "test")
+    assert Machine.of(gpu, "auto", str(tmp_path)).jpeg is False
+    assert Machine.of(gpu, "auto", None).jpeg is False  # the built-in dataset: PNGs
+    assert Machine.of(gpu, "auto", "https://example.com/shards").jpeg is None  # not known: taken as JPEGs
+    assert Machine.of(gpu, "gpu", str(tmp_path)).jpeg is None  # asked for: nothing to decide
+    plan = resolve(parse_config([str(tmp_path)]), Machine.of(gpu, "auto", str(tmp_path)))
+    assert plan.decode == "cpu" and "not JPEGs" in lines(plan)
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU run's banner")
 def test_decode_auto_on_a_cpu_run_is_resolved_in_the_config_and_the_banner(digits, tmp_path, capsys):
     from imagenet.cli import main
-    assert main([digits, "--decode", "auto", "-a", "resnet18", "--epochs", "1", "--prof", "1", "-b", "8", "-j", "0",
+    assert main([digits, "-a", "resnet18", "--epochs", "1", "--prof", "1", "-b", "8", "-j", "0",
                  "--image-size", "16", "--val-resize", "16", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "=> default: JPEGs decoded in the CPU workers (--decode auto): no CUDA GPU here" in out, out
+    assert "--decode auto" not in out and "workers decode" in out, out  # the default, said as the pipeline line says it
     assert "decode: cpu" in (tmp_path / "config.yaml").read_text().splitlines()[1]  # the decisions line

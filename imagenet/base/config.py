@@ -55,8 +55,9 @@ class Config:
     data_pipeline: str = "fast"  # fast: uint8 decode+crop in workers, normalise on the device;
     #                              classic: torchvision's PIL transforms to float in workers
     no_jpeg_draft: bool = False  # fast pipeline: decode training JPEGs at full scale too (validation always is)
-    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU;
-    #                      auto: gpu where too few CPU cores per GPU would decode (imagenet/training/defaults.py)
+    decode: str = "auto"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU;
+    #                      auto (default): gpu where too few CPU cores per GPU would decode
+    #                      JPEGs (imagenet/training/defaults.py)
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
@@ -171,9 +172,10 @@ _HELP = {
     "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
                      "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
                      "decodes at full scale, as torchvision does",
-    "decode": "where training and validation JPEGs are decoded: cpu (default: in the data workers), gpu (the "
-              "workers read files, nvJPEG decodes batches on the GPU), auto (the GPU where the workers would get "
-              "too few CPU cores per GPU; the banner says what was chosen and why)",
+    "decode": "where training and validation JPEGs are decoded: auto (default: on the GPU where the workers "
+              "would get too few CPU cores per GPU to keep up, else in the workers; the banner says what was "
+              "chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
+              "on the GPU)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",

@@ -1,8 +1,10 @@
-"""``--decode auto``: decode JPEGs in the CPU workers or on the GPU, from what the machine has.
+"""``--decode auto`` (the default): decode JPEGs in the CPU workers or on the GPU, from what the
+machine has.
 
 :func:`choose` is a pure function of the recipe (the flags that need pixels in the workers, the
 worker count) and the machine's facts (a CUDA device or not, CPU cores per GPU, GPUs one process
-feeds, a GPU JPEG decoder here), so its table is tested without either. The
+feeds, a GPU JPEG decoder here, whether the training images are JPEGs), so its table is tested
+without either. The
 training layer's speed defaults (:mod:`imagenet.training.defaults`) gather the facts once and
 call it; it returns the choice with its reason and the flag that changes it, for the banner.
 
@@ -12,12 +14,14 @@ of 8,340 on synthetic data) and fell to 3,039 with 6, where GPU decoding made 5,
 15). So the GPU decodes when fewer than :data:`CPU_DECODE_CORES` workers would decode for each
 GPU (the workers asked for, capped by the cores there are per GPU); from that many, the workers
 decode and the GPU only trains. The threshold sits between the two measured ends; no run has
-measured where between them the two paths cross.
+measured where between them the two paths cross. With the plain command at 4 workers the GPU
+decode trained 3.4x as fast as the workers' (docs/BENCHMARKS.md, run GG3).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from . import gpujpeg
 
@@ -51,11 +55,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
-           gpu_decoder: bool = False) -> DecodeChoice:
+           gpu_decoder: bool = False, jpeg: Optional[bool] = None) -> DecodeChoice:
     """``cfg.decode`` resolved: ``cpu`` and ``gpu`` stand as asked; ``auto`` decides by the rule in
     the module's docstring. ``cuda``: training on a CUDA device; ``cpus_per_gpu``: this machine's
     CPU cores over the GPUs training on it; ``gpus_per_process``: GPUs this process's workers feed
-    (DataParallel: all of them); ``gpu_decoder``: :func:`gpu_decoder_available`."""
+    (DataParallel: all of them); ``gpu_decoder``: :func:`gpu_decoder_available`; ``jpeg``:
+    whether the training images are JPEGs (:func:`imagenet.data.folder.images_are_jpeg`; None:
+    not known, as for tar shards, taken as JPEGs)."""
     if cfg.decode != "auto":
         return DecodeChoice(cfg.decode)
     if cfg.dummy:
@@ -71,6 +77,10 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     if not gpu_decoder:
         return DecodeChoice("cpu", "no GPU JPEG decoder here (nvJPEG in torchvision's CUDA builds, TorchCodec or "
                             "nvImageCodec)", f"{gpujpeg.INSTALL}, then --decode gpu")
+    if jpeg is False:
+        what = "the built-in dataset is stored as PNGs" if not cfg.data else "the training images are not JPEGs"
+        return DecodeChoice("cpu", f"{what}: nvJPEG decodes only JPEGs",
+                            "--decode gpu still decodes any JPEGs on the GPU, the rest in the workers")
     decoding = min(cfg.workers // max(gpus_per_process, 1), cpus_per_gpu)
     share = f"{_plural(cfg.workers, 'worker')}, {_plural(cpus_per_gpu, 'CPU core')} per GPU"
     if decoding >= CPU_DECODE_CORES:

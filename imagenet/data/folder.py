@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 from torchvision import datasets
@@ -38,6 +39,21 @@ def _has_image(class_dir: str) -> bool:
         if any(_is_image(f) for f in files):
             return True
     return False
+
+
+def images_are_jpeg(root: str) -> Optional[bool]:
+    """Whether ``root/train``'s first class folder holds JPEGs (its first image file, by name), for
+    ``--decode auto``; None where there is nothing to look at (no such folder: tar shards, a URL,
+    a layout the checks will report)."""
+    try:
+        classes = _class_dirs(os.path.join(root, "train"))
+        for _dir, _subdirs, files in os.walk(os.path.join(root, "train", classes[0]), followlinks=True):
+            for name in sorted(files):
+                if _is_image(name):
+                    return name.lower().endswith((".jpg", ".jpeg"))
+    except (OSError, IndexError):
+        pass
+    return None
 
 
 def check_layout(root: str) -> list:

@@ -50,7 +50,7 @@ workers, torchvision's op fed 73-80% of the step's rate, nvImageCodec 62%, our n
   the hardware engines and the rest to the CUDA cores, parsing on :data:`DALI_THREADS` host
   threads. Its images are copied, in one call on our stream, into memory torch's allocator
   owns (DALI's own buffers go back to its pool unordered after our kernels). Its pixels agree
-  with torchvision's op within nvImageCodec's bounds (tests/test_gpudecode.py on the H200, GG3; DALI 2.x
+  with torchvision's op within nvImageCodec's bounds (tests/test_gpudecode.py on the H200, GG4; DALI 2.x
   decodes through nvImageCodec).
 
 Each takes the whole batch in one call, first waits on the host for the caller's stream to be

@@ -3,8 +3,9 @@
 On a GPU the plain command (``main.py DIR -a resnet50 -b 256 --fp16``) trains in the fastest mode
 that is safe for it: channels_last tensors, the stem max-pool and the fused BatchNorm + add +
 ReLU on our Triton kernels, and the model compiled with CUDA graphs (``--compile
-reduce-overhead``). On a CPU nothing changes. ``--decode auto`` (asked for; the default stays
-``cpu``) is decided here too, by :func:`imagenet.data.decodechoice.choose`. :func:`resolve`
+reduce-overhead``), and JPEGs decoded on the GPU where too few CPU cores per GPU would decode
+them (``--decode auto``, decided by :func:`imagenet.data.decodechoice.choose`). On a CPU nothing
+changes. :func:`resolve`
 decides each of them from the config and the machine alone (a pure function, so tests can ask it
 about any machine), and returns every choice it made by itself with its reason and the flag that
 changes it, for the banner. A flag the user gave is never overridden; a combination that cannot take a fast path
@@ -23,6 +24,7 @@ from typing import Optional
 from ..base.config import Config
 from ..data.decodechoice import choose as choose_decode
 from ..data.decodechoice import gpu_decoder_available
+from ..data.folder import images_are_jpeg
 
 
 def usable_cpus() -> int:
@@ -55,18 +57,22 @@ class Machine:
     cpus_per_gpu: int = 1  # CPU cores of this machine over the GPUs training on it (--decode auto)
     gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
     gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpujpeg)
+    jpeg: Optional[bool] = None  # the training images are JPEGs (None: not known, e.g. tar shards)
 
     @classmethod
-    def of(cls, ctx, decode: str = "auto") -> "Machine":
+    def of(cls, ctx, decode: str = "auto", data: Optional[str] = None) -> "Machine":
         """This process's machine, from its launch context. Whether a GPU JPEG decoder runs here
-        is looked up (a probe decode on the GPU) only for ``--decode auto``, the one choice it
-        decides; ``--decode gpu`` finds its decoder when the loaders are built."""
+        is looked up (a probe decode on the GPU), and whether ``data``'s training images are
+        JPEGs (no ``data``: the built-in dataset, PNGs), only for ``--decode auto`` on a GPU, the
+        one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built."""
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
         gpus_here = local_processes(ctx) * gpus_per_process
+        auto = cuda and decode == "auto"
+        jpeg = (images_are_jpeg(data) if data else False) if auto else None
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
-                   gpus_per_process=gpus_per_process, gpu_decode=cuda and decode == "auto" and gpu_decoder_available())
+                   gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg)
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,7 @@ def resolved(cfg: Config, ctx) -> Config:
     from a config of their own (benchmarks, tests)."""
     if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
         return cfg
-    return resolve(cfg, Machine.of(ctx, cfg.decode)).apply(cfg)
+    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data)).apply(cfg)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
@@ -203,8 +209,9 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
         choices.append(Choice("contiguous tensors, torch's kernels, not compiled",
                               "the GPU fast path would not make a CPU run faster", "--channels-last, --compile MODE"))
     decode = choose_decode(cfg, cuda=gpu, cpus_per_gpu=machine.cpus_per_gpu,
-                           gpus_per_process=machine.gpus_per_process, gpu_decoder=machine.gpu_decode)
-    if cfg.decode == "auto" and not cfg.dummy:
+                           gpus_per_process=machine.gpus_per_process, gpu_decoder=machine.gpu_decode,
+                           jpeg=machine.jpeg)
+    if cfg.decode == "auto" and not cfg.dummy and gpu:  # a CPU run decodes in its workers, as it always did
         choices.append(Choice(decode.what, decode.why, decode.flag))
     return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices))
 

@@ -178,7 +178,7 @@ def run(cfg: Config) -> dict:
     started = time.perf_counter()
     ctx = distributed.setup(cfg)
     _setup_logging(ctx)
-    plan = resolve(cfg, Machine.of(ctx, cfg.decode))
+    plan = resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data))
     if plan.compile != "off":  # Inductor's caches where a second run of the command finds them
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir(str(cfg.cache_dir or default_cache_dir())))
     try:
