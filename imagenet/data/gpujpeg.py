@@ -81,8 +81,8 @@ from .decode import _rgb, _to_tensor
 
 ENV = "IMAGENET_GPU_JPEG"
 # the order "auto" tries them in: torchvision's op trained fastest on the H200 (73-80% of the step at
-# -j 4 against nvImageCodec's 62% and, with one decode thread, our nvJPEG binding's 69-76%,
-# docs/BENCHMARKS.md EE and FF); TorchCodec makes the same nvJPEG call
+# -j 4 against nvImageCodec's 62%, our nvJPEG binding's 69-76% and DALI's 61-64%, docs/BENCHMARKS.md
+# EE, FF and GG); TorchCodec makes the same nvJPEG call
 BACKENDS = ("torchvision", "torchcodec", "nvimgcodec", "nvjpeg", "dali")
 INSTALL = ("pip install -U 'torchcodec>=0.16' (or nvImageCodec: pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg; "
            "for CUDA 12 nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)")
