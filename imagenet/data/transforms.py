@@ -109,6 +109,7 @@ def val_geometry(cfg, weights=None) -> ValGeometry:
 def resize_on_device(cfg, device: Optional[torch.device]) -> bool:
     """Whether ``--decode cpu``'s workers stop after the crop and ``device`` resizes and flips
     the batch (:mod:`imagenet.cropbatch`): on a GPU with the batched kernel, unless a recipe
-    transforms the resized pixels in the workers (--auto-augment, --random-erase)."""
+    transforms the resized pixels in the workers (--auto-augment, --random-erase). A config whose
+    ``--decode auto`` was not resolved decodes in the workers, as :func:`build_datasets` builds it."""
     return (device is not None and gpugeometry.available(device) and cfg.data_pipeline == "fast"
-            and cfg.decode == "cpu" and cfg.auto_augment == "none" and cfg.random_erase == 0)
+            and cfg.decode != "gpu" and cfg.auto_augment == "none" and cfg.random_erase == 0)
