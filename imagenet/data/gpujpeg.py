@@ -42,7 +42,8 @@ workers, torchvision's op fed 73-80% of the step's rate, nvImageCodec 62%, our n
 * ``nvjpeg`` -- our ctypes binding of nvJPEG (:mod:`.nvjpeg`), set up as torchvision sets up its
   op (the same pixels), on the caller's stream and with a decoding state per thread: several
   decode threads (``IMAGENET_DECODE_THREADS``, :mod:`.prefetch`) keep several batches in flight,
-  where torchvision's op decodes one at a time behind a process-wide lock. It rests on libnvjpeg
+  where torchvision's op decodes one at a time behind a process-wide lock (on the H200 that did
+  not raise the rate: docs/BENCHMARKS.md GG1). It rests on libnvjpeg
   itself (torchvision's bundled copy or the ``nvidia-nvjpeg`` wheel), not on a deprecated call.
 * ``dali`` -- NVIDIA DALI's image decoder (``pip install nvidia-dali-cuda130``, or ``-cuda120``),
   an optional extra: a pipeline per decode thread feeds it a batch's JPEGs and runs its

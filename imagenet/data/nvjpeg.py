@@ -5,8 +5,8 @@ What it adds over torchvision's op, which makes the same nvJPEG calls:
   process-wide lock for its one decoder), so several decode threads keep several batches in
   flight (``IMAGENET_DECODE_THREADS``, :mod:`.prefetch`). Each call waits on the host about once
   per image for the GPU, and beside a training step those waits are long (docs/BENCHMARKS.md,
-  FF1): calls side by side overlap them, where the waits and not the work bound the decode
-  (to be measured on the GPU).
+  FF1). Calls side by side were meant to overlap them; on the H200 they did not: with N threads
+  each call took N times as long and the rate stayed where one thread had it (GG1).
 - **The caller's stream.** The decode is queued on the stream the caller makes current (the
   decode thread's, high priority), where torchvision's op uses a pool stream of its own.
 - **No deprecated call.** It rests on libnvjpeg itself, which torchvision 0.29's deprecation of

@@ -889,11 +889,6 @@ def _decode_auto(workers: list) -> str:
     return out.stdout.strip() or out.stderr.strip()[-500:]
 
 
-# the decoders of --decode gpu in jpeg_decoders.py's table: torchvision's op (one call at a time,
-# behind its lock), nvImageCodec and our nvJPEG binding (a decoder per thread)
-DECODER_ROWS = "torchvision,torchcodec,nvimgcodec,nvjpeg"
-
-
 def _decoder_table(data: str, batch: int) -> str:
     """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
     GPU, with the decode threads' CPU share in each (scripts/perf/jpeg_decoders.py), over 8
@@ -903,7 +898,7 @@ def _decoder_table(data: str, batch: int) -> str:
     with JpegEngines() as watched:
         try:
             out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                                  str(8 * batch), "--passes", "3", "--threads", "1,2,4", "--decoders", DECODER_ROWS],
+                                  str(8 * batch), "--passes", "3", "--threads", "1,2,4"],
                                  cwd=REPO, capture_output=True, text=True, timeout=300,
                                  env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
             table = out.stdout.strip() or out.stderr.strip()[-800:]

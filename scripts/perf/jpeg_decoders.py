@@ -210,14 +210,11 @@ def main(argv=None) -> int:
         try:
             if spec is not None:
                 gpujpeg.nvimgcodec_backends(spec)
-        except UserError as e:
-            print(f"error: --nvimgcodec-backends: {e}", file=sys.stderr)
-            return 2
-        try:
-            if name.startswith("dali:"):
+            elif name.startswith("dali:"):
                 gpujpeg.dali_hw_load(name.split(":", 1)[1])
         except UserError as e:
-            print(f"error: --decoders: {name!r}: {e}", file=sys.stderr)
+            print(f"error: {'--nvimgcodec-backends' if spec is not None else f'--decoders: {name!r}'}: {e}",
+                  file=sys.stderr)
             return 2
         if name.startswith("nvjpeg:") and name.split(":", 1)[1] not in nvjpeg.BACKENDS:
             print(f"error: --decoders: {name!r}: our nvJPEG binding set up another way is named nvjpeg:BACKEND, "
