@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..base.config import Config
+from ..base.processenv import INDUCTOR_CACHE, MAX_CONNECTIONS, MAX_CONNECTIONS_VALUE, ProcessEnv
 from ..data.decodechoice import choose as choose_decode
 from ..data.decodechoice import gpu_decoder_available
 from ..data.folder import images_are_jpeg
@@ -98,6 +99,8 @@ class SpeedPlan:
     tune_kernels: bool
     decode: str = "cpu"  # cpu | gpu: where JPEGs are decoded
     choices: tuple = ()
+    notes: tuple = ()  # what the banner should say of the user's own settings (str)
+    environment: tuple = ()  # (name, value) the trainer set in its environment, for config.yaml
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` with every ``auto`` replaced by what this plan chose."""
@@ -216,8 +219,23 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices))
 
 
-def compile_cache_dir(cache_root: str) -> Optional[str]:
-    """Where Inductor keeps its compiled kernels and graphs between runs: ``$TORCHINDUCTOR_CACHE_DIR``
-    when the user set it, else ``CACHE_ROOT/inductor`` (``/tmp``, torch's default, is often
-    emptied at a reboot or private to one job on clusters, and a cold compile takes a minute)."""
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(cache_root, "inductor")
+def with_environment(plan: SpeedPlan, env: ProcessEnv, device: str) -> SpeedPlan:
+    """``plan`` with what :mod:`imagenet.base.processenv` set for this run: CUDA's hardware queue
+    count on a GPU and Inductor's cache folder when compiling (a banner line and config.yaml's
+    comment for each), and a note where the user's own queue count holds the GPU's input back."""
+    choices, notes, recorded = [], [], []
+    if device == "cuda":
+        if MAX_CONNECTIONS in env.ours:
+            choices.append(Choice(f"{MAX_CONNECTIONS}={env.ours[MAX_CONNECTIONS]}",
+                                  "a hardware queue for every CUDA stream, so the input's copies and GPU decode run "
+                                  "beside the step's CUDA graph instead of queuing behind it",
+                                  f"set {MAX_CONNECTIONS} in the environment to choose another"))
+            recorded.append((MAX_CONNECTIONS, env.ours[MAX_CONNECTIONS]))
+        elif not env.users.get(MAX_CONNECTIONS, "").isdigit() or int(env.users[MAX_CONNECTIONS]) < 32:
+            notes.append(f"{MAX_CONNECTIONS}={env.users.get(MAX_CONNECTIONS)} from the environment: streams share "
+                         f"hardware queues, so the input's copies and GPU decode can wait behind the step's CUDA "
+                         f"graph (the trainer sets {MAX_CONNECTIONS_VALUE} when it is unset)")
+    if plan.compile != "off" and INDUCTOR_CACHE in env.ours:
+        recorded.append((INDUCTOR_CACHE, env.ours[INDUCTOR_CACHE]))
+    return dataclasses.replace(plan, choices=tuple(choices) + plan.choices, notes=plan.notes + tuple(notes),
+                               environment=plan.environment + tuple(recorded))

@@ -28,12 +28,14 @@ INPUT_BOUND = 0.1  # share of the steady training time spent waiting for input t
 class RunLog:
     """Use as a context manager: the TensorBoard writer is closed at the end."""
 
-    def __init__(self, cfg, ctx, requested=None):
+    def __init__(self, cfg, ctx, requested=None, environment=()):
         """``cfg``: the run's config with every ``auto`` decided; ``requested``: the config as the
         user gave it, which ``config.yaml`` keeps (so that ``--config`` decides again on the machine
-        that reads it), with the decisions in a comment above it."""
+        that reads it), with the decisions in a comment above it; ``environment``: (name, value)
+        of the variables the trainer set in its environment, in a comment too."""
         self.cfg, self.ctx = cfg, ctx
         self.requested = requested if requested is not None else cfg
+        self.environment = tuple(environment)
         self.active = ctx.is_main
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
@@ -47,6 +49,9 @@ class RunLog:
                 if decided:
                     fh.write("# decided for this machine (the keys below say auto; --config decides again where it "
                              "runs):\n# " + yaml.safe_dump(decided, default_flow_style=True, width=10**6).strip() + "\n")
+                if self.environment:
+                    fh.write("# environment the trainer set for itself (a value set before the command is kept): "
+                             + ", ".join(f"{k}={v}" for k, v in self.environment) + "\n")
                 # every key but the config file itself
                 yaml.safe_dump({k: v for k, v in asked.items() if k != "config"}, fh, sort_keys=False)
         return self

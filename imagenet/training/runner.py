@@ -10,6 +10,7 @@ its outputs are written by a :class:`imagenet.training.runlog.RunLog` and its ch
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -27,6 +28,7 @@ from ..base.config import Config
 from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
+from ..base.processenv import ProcessEnv, set_process_env
 from ..base.torch_private import set_last_lr
 from ..base.wrappers import uncompiled, unwrap
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
@@ -36,7 +38,7 @@ from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
-from .defaults import Machine, SpeedPlan, compile_cache_dir, resolve
+from .defaults import Machine, SpeedPlan, resolve, with_environment
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
@@ -47,13 +49,14 @@ from .tblog import require_tensorboard
 logger = logging.getLogger("imagenet")
 
 
-def execute(cfg: Config) -> int:
-    """Run a parsed command line (one process, or one per GPU); user errors become one line and
-    exit status 2, a bug its traceback and status 1."""
+def execute(cfg: Config, env: Optional[ProcessEnv] = None) -> int:
+    """Run a parsed command line (one process, or one per GPU; ``env``: what the command line's
+    entry set in the environment before importing torch); user errors become one line and exit
+    status 2, a bug its traceback and status 1."""
     try:
         if cfg.multiprocessing_distributed:
-            return spawn_per_gpu(cfg, run)
-        run(cfg)
+            return spawn_per_gpu(cfg, functools.partial(run, env=env))
+        run(cfg, env)
         return 0
     except UserError as e:
         return user_error(e)
@@ -145,6 +148,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
         logger.info("=> kernels: %s", "; ".join(kernels))
     for choice in plan.choices:
         logger.info("=> default: %s", choice.line())
+    for note in plan.notes:
+        logger.info("=> note: %s", note)
     if cfg.compile != "off":
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         warm = bool(cache) and os.path.isdir(cache) and any(os.scandir(cache))
@@ -172,15 +177,17 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, env: Optional[ProcessEnv] = None) -> dict:
     """Train (or with ``--evaluate`` validate) as configured; returns the final summary. Every
-    ``auto`` of the config is decided here, once, for this machine (:mod:`.defaults`)."""
+    ``auto`` of the config is decided here, once, for this machine (:mod:`.defaults`). ``env``:
+    the environment the command line set before torch was imported; a caller that imported
+    torch itself (a test, a benchmark) gets it set here, too late for what torch read on import."""
     started = time.perf_counter()
+    if env is None:
+        env = set_process_env(os.environ, cache_root=str(cfg.cache_dir or default_cache_dir()))
     ctx = distributed.setup(cfg)
     _setup_logging(ctx)
-    plan = resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data))
-    if plan.compile != "off":  # Inductor's caches where a second run of the command finds them
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir(str(cfg.cache_dir or default_cache_dir())))
+    plan = with_environment(resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data)), env, ctx.device.type)
     try:
         return _run(plan.apply(cfg), ctx, plan, started, requested=cfg)
     finally:
@@ -230,7 +237,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     if cfg.evaluate:
         return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
                         precision=state.precision, ctx=ctx, opts=opts).to_dict()
-    with StopRequest(ctx) as stop, RunLog(cfg, ctx, requested) as log:
+    with StopRequest(ctx) as stop, RunLog(cfg, ctx, requested, environment=plan.environment) as log:
         return _epochs(cfg, ctx, start, opts, stop, log, started)
 
 
