@@ -4,12 +4,13 @@
     python scripts/perf/input_matrix.py --rows 'synthetic:256;folder:auto:4:256;shards:gpu:2:384'
     python scripts/perf/input_matrix.py --rows 'folder:cpu,gpu:2,4,6:256:eager'
 
-A row is SOURCE:DECODE:WORKERS:BATCH[:MODE[:LAUNCH]] (each field may list values, comma-separated;
-their product is run): SOURCE ``folder`` (the benchmark JPEGs, scripts/perf/make_benchmark_imagefolder.py),
+A row is SOURCE:DECODE:WORKERS:BATCH[:MODE[:LAUNCH[:ENV]]] (each field but ENV may list values,
+comma-separated; their product is run): SOURCE ``folder`` (the benchmark JPEGs, scripts/perf/make_benchmark_imagefolder.py),
 ``shards`` (the same folder through scripts/make_shards.py) or ``synthetic`` (``main.py --dummy``,
 then SYNTHETIC:BATCH[:MODE]); DECODE ``cpu|gpu|auto``; MODE ``graphs`` (the plain command: speed
 defaults, CUDA graphs) or ``eager`` (``--compile off``); LAUNCH ``one`` (``main.py``) or
-``ddp2`` (two DDP processes on GPU 0 over gloo, mapped there by SLURM's task variables). Every
+``ddp2`` (two DDP processes on GPU 0 over gloo, mapped there by SLURM's task variables); ENV
+``VAR=VALUE+VAR=VALUE`` for the row's processes. Every
 row is ResNet-50 ``--fp16`` (``--model``), ``--epochs`` epochs; its rate is the median of the epochs after the
 first (main.py leaves each epoch's first steps out), its share of the synthetic step of the same
 batch and mode measured in the same call, and for ``auto`` what auto chose (from the banner).
@@ -41,22 +42,23 @@ def parse_rows(spec: str) -> list:
         f = row.split(":")
         if f[0] == "synthetic":
             f = ["synthetic", "-", "0"] + f[1:]
-        f += ["graphs", "one"][len(f) - 4:] if len(f) < 6 else []
-        if len(f) != 6:
-            raise SystemExit(f"error: row {row!r}: SOURCE:DECODE:WORKERS:BATCH[:MODE[:LAUNCH]]")
-        for combo in itertools.product(*(x.split(",") for x in f)):
+        f += ["graphs", "one", ""][len(f) - 4:] if len(f) < 7 else []
+        if len(f) != 7 or not all(f[:6]) or any("=" not in kv for kv in filter(None, f[6].split("+"))):
+            raise SystemExit(f"error: row {row!r}: SOURCE:DECODE:WORKERS:BATCH[:MODE[:LAUNCH[:VAR=VALUE+...]]]")
+        for combo in itertools.product(*(x.split(",") for x in f[:6])):
             source, decode, workers, batch, mode, launch = combo
             if source not in ("folder", "shards", "synthetic") or mode not in MODES or launch not in ("one", "ddp2") \
                     or decode not in ("cpu", "gpu", "auto", "-"):
                 raise SystemExit(f"error: row {row!r}: unknown value in {combo}")
-            rows.append((source, decode, int(workers), int(batch), mode, launch))
+            rows.append((source, decode, int(workers), int(batch), mode, launch, f[6]))
     return rows
 
 
-def row_name(source, decode, workers, batch, mode, launch) -> str:
+def row_name(source, decode, workers, batch, mode, launch, extra="") -> str:
+    env = "".join(f"-{kv.split('=', 1)[1]}" for kv in filter(None, extra.split("+")))
     if source == "synthetic":
-        return f"synthetic-b{batch}-{mode}"
-    return f"{source}-{decode}-j{workers}-b{batch}-{mode}" + ("-ddp2" if launch == "ddp2" else "")
+        return f"synthetic-b{batch}-{mode}{env}"
+    return f"{source}-{decode}-j{workers}-b{batch}-{mode}" + ("-ddp2" if launch == "ddp2" else "") + env
 
 
 def ensure_data(args) -> tuple:
@@ -75,13 +77,14 @@ def ensure_data(args) -> tuple:
 
 def command(row, args, data: dict, out: str) -> list:
     """(environment, command line) of each process of the row."""
-    source, decode, workers, batch, mode, launch = row
+    source, decode, workers, batch, mode, launch, extra = row
     common = f"{args.model} -b {batch} --epochs {args.epochs} -p 1000 --output-dir {out}{MODES[mode]}"
     if source == "synthetic":
         line = f"main.py --dummy --dummy-train-size {data['per_epoch'] // batch * batch} --dummy-val-size {batch} {common}"
     else:
         line = f"main.py {data[source]} {common} -j {workers}" + ("" if decode == "auto" else f" --decode {decode}")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
+               **dict(kv.split("=", 1) for kv in filter(None, extra.split("+"))))
     if launch == "one":
         return [(env, line)]
     port = str(20000 + os.getpid() % 10000)
@@ -114,7 +117,7 @@ def run_row(row, args, data: dict) -> dict:
 
 
 def cell(res: dict, synthetic: dict) -> str:
-    source, decode, workers, batch, mode, launch = res["row"]
+    source, decode, workers, batch, mode, launch, extra = res["row"]
     if not res["rates"]:
         return f"| {res['name']} | FAILED (exit {res['rc']}) | | | | | {res['seconds']:.0f} |"
     med = statistics.median(res["rates"])
@@ -152,7 +155,7 @@ def main() -> int:
             print(f"| {row_name(*row)} | not run (--budget) | | | | | |", flush=True)
             continue
         res = run_row(row, args, data)
-        if row[0] == "synthetic" and res["rates"]:
+        if row[0] == "synthetic" and res["rates"] and not row[6]:
             synthetic[(row[3], row[4])] = statistics.median(res["rates"])
         results.append(res)
         print(cell(res, synthetic), flush=True)
