@@ -258,6 +258,9 @@ def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path, cap
     (["bench", "--groups", "nope"], "unknown bench group(s) ['nope']"),
     (["recipe", "--variants", "zz"], "unknown recipe variant(s) ['zz']"),
     (["jpeg", "--e2e-rows", "gpu"], "--e2e-rows: 'gpu' is not DECODE:PRECISION[:COMPILE]"),
+    (["decode", "--decode-jpeg", "torchvision,nvjpeg@2"], "--decode-jpeg: 'torchvision,nvjpeg@2'; give GPU JPEG "
+                                                          "decoders of the trainer, comma-separated, of "
+                                                          "torchvision,torchcodec"),
 ])
 def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
     """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""

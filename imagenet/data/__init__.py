@@ -11,16 +11,14 @@
 * ``decode`` -- the fast CPU path: decode, crop, resize and flip in the workers (PIL).
 * ``cropbatch`` -- ``--decode cpu`` on a GPU: workers crop, the device resizes and flips.
 * ``gpudecode`` -- ``--decode gpu``: workers read bytes and draw crops, nvJPEG decodes.
-* ``gpujpeg`` -- the GPU JPEG decoder behind one interface (torchvision's nvJPEG op, else TorchCodec,
-  nvImageCodec, or our own nvJPEG binding).
-* ``nvjpeg`` -- our ctypes binding of nvJPEG's batched decode: a decoding state per thread.
+* ``gpujpeg`` -- the GPU JPEG decoder behind one interface (torchvision's nvJPEG op, else TorchCodec).
 * ``decodechoice`` -- ``--decode auto``: CPU or GPU decoding from what the machine has.
 * ``inputaccount`` -- where a ``--decode gpu`` batch's time goes, per stage, per epoch.
 * ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds
   (over tar shards: shards shuffled, then a window of them at a time).
 * ``loaders`` -- datasets and loaders of a run, collation, per-process batch sizes.
 * ``prefetch`` -- the device loader: copies, normalisation and layout on the device, ahead;
-  ``--decode gpu``'s decode threads.
+  ``--decode gpu``'s decode thread.
 * ``mixing`` -- mixup and CutMix on the device.
 * ``prepare`` -- the built-in MNIST-5k export and dataset conversions.
 

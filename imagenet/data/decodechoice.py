@@ -4,18 +4,14 @@ machine has.
 :func:`choose` is a pure function of the recipe (the flags that need pixels in the workers, the
 worker count) and the machine's facts (a CUDA device or not, CPU cores per GPU, GPUs one process
 feeds, a GPU JPEG decoder here, whether the training images are JPEGs), so its table is tested
-without either. The
-training layer's speed defaults (:mod:`imagenet.training.defaults`) gather the facts once and
-call it; it returns the choice with its reason and the flag that changes it, for the banner.
+without either. The training layer's speed defaults (:mod:`imagenet.training.defaults`) gather
+the facts once and call it; it returns the choice with its reason and the flag that changes it,
+for the banner.
 
-The rule, from issue 28's measurements (ResNet-50 in the trainer's fastest mode, one H200 of a
-16-core machine, 30,000 JPEGs): CPU decoding kept up with the step with 15 workers (8,199 img/s
-of 8,340 on synthetic data) and fell to 3,039 with 6, where GPU decoding made 5,235 (5,797 with
-15). So the GPU decodes when fewer than :data:`CPU_DECODE_CORES` workers would decode for each
+The rule: the GPU decodes when fewer than :data:`CPU_DECODE_CORES` workers would decode for each
 GPU (the workers asked for, capped by the cores there are per GPU); from that many, the workers
-decode and the GPU only trains. The threshold sits between the two measured ends; no run has
-measured where between them the two paths cross. With the plain command at 4 workers the GPU
-decode trained 3.4x as fast as the workers' (docs/BENCHMARKS.md, run GG3).
+decode and the GPU only trains. On an H200, 15 workers decoding kept up with ResNet-50's fastest
+step and 6 did not; the threshold sits between the two (the figures: docs/INPUT.md).
 """
 
 from __future__ import annotations
@@ -75,8 +71,8 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     if not cuda:
         return DecodeChoice("cpu", "no CUDA GPU here", "--decode cpu says the same")
     if not gpu_decoder:
-        return DecodeChoice("cpu", "no GPU JPEG decoder here (nvJPEG in torchvision's CUDA builds, TorchCodec or "
-                            "nvImageCodec)", f"{gpujpeg.INSTALL}, then --decode gpu")
+        return DecodeChoice("cpu", "no GPU JPEG decoder here (nvJPEG in torchvision's CUDA builds, or TorchCodec)",
+                            f"{gpujpeg.INSTALL}, then --decode gpu")
     if jpeg is False:
         what = "the built-in dataset is stored as PNGs" if not cfg.data else "the training images are not JPEGs"
         return DecodeChoice("cpu", f"{what}: nvJPEG decodes only JPEGs",

@@ -1,27 +1,22 @@
 """``--decode gpu``: workers read JPEG bytes and draw the crop; the GPU decodes, crops and resizes.
 
-Workers do what needs no pixels: read the file once (a tar shard's sample comes already read),
-parse its header from those bytes, draw the RandomResizedCrop box and the flip from the
-per-sample seeded RNG exactly as the CPU path does (so ``--seed`` gives the same crops either
-way), with the seconds each of those took (:mod:`imagenet.data.inputaccount` sums them per
-epoch). The worker's collate function lays the batch's targets, the geometry kernel's table and
-the compressed bytes in one shared-memory buffer, so a batch crosses to the training process as
-one file descriptor (no copy) instead of a list of bytes objects pickled through a pipe.
+Worker side: read the file once (a tar shard's sample comes already read), parse its header,
+draw the crop box and flip from the per-sample seeded RNG exactly as the CPU path does (so
+``--seed`` gives the same crops either way), and time each step (:mod:`.inputaccount`). The
+collate function lays the targets, the geometry kernel's table and the compressed bytes in one
+shared-memory buffer: a batch crosses to the training process as one file descriptor, not as
+bytes pickled through a pipe.
 
-On the device, one batched call of the JPEG decoder (:mod:`imagenet.data.gpujpeg`: nvJPEG
-through torchvision or TorchCodec, or nvImageCodec) decodes the batch, and one kernel
-(:mod:`imagenet.kernels.gpugeometry`) crops, resizes with antialiased bilinear interpolation
-(PIL's filter, so the pixels match the CPU path within rounding) and flips every image of it,
-reading each decoded image where the decoder left it (the table holds each one's address
-relative to the first: no copy into one buffer); without Triton, torch's resize does it image
-by image.
+Device side (:func:`decode_batch`): one batched call of the JPEG decoder (:mod:`.gpujpeg`), then
+one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with PIL's antialiased bilinear
+filter (the CPU path's pixels within rounding) and flips every image, reading each decoded image
+where the decoder left it; without Triton, torch's resize does it image by image.
 
-Fallbacks, counted per epoch in metrics.jsonl: files the GPU decoders do not take as they are
-(not JPEG, not RGB or greyscale, progressive -- the hardware decoder takes baseline JPEGs only,
-the rest one at a time with a host wait each -- or EXIF-rotated, which TorchCodec would turn and
-the CPU path does not) are decoded on the CPU in the worker; a JPEG that the GPU decoder rejects
-is decoded on the CPU in the training process; a file neither can read is skipped like any
-unreadable image.
+Fallbacks, counted per epoch: files the GPU decoder does not take as they are (not JPEG, not RGB
+or greyscale, progressive: the hardware engines take baseline JPEGs only; EXIF-rotated: TorchCodec
+would turn them, the CPU path does not) are decoded in the worker as on the CPU path; a JPEG the
+decoder rejects is decoded on the CPU in the training process; a file neither can read is
+skipped like any unreadable image.
 """
 
 from __future__ import annotations
@@ -279,7 +274,7 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
         if img is not None and list(img.shape) != [3, *size]:
             images[k] = None
     bad_jobs = []
-    for k in [k for k, img in enumerate(images) if img is None]:  # nvJPEG refused it (an odd JPEG)
+    for k in [k for k, img in enumerate(images) if img is None]:  # the decoder refused it (an odd JPEG)
         counts["gpu"] -= 1
         img = gpujpeg.pil_decode(views[k])
         if img is None:

@@ -58,7 +58,6 @@ class InputAccount:
         self._sums = dict.fromkeys(STAGES, 0.0)
         self._batches = 0
         self._events: collections.deque = collections.deque()  # (stage, start, end) not yet read
-        self.threads = 1  # decode threads adding to it side by side (their stages sum their times)
 
     def batch(self, worker_seconds: Optional[Sequence[float]] = None, handoff: float = 0.0) -> None:
         """One batch arrived; ``worker_seconds``: its worker's (read, parse, fallback, collate);
@@ -104,7 +103,7 @@ class InputAccount:
             self._sums, self._batches = dict.fromkeys(STAGES, 0.0), 0
         if not n:
             return {}
-        return {"batches": n, "threads": self.threads, **{k: round(1000.0 * v / n, 3) for k, v in sums.items()}}
+        return {"batches": n, **{k: round(1000.0 * v / n, 3) for k, v in sums.items()}}
 
 
 def worker_ms(stages: dict) -> float:

@@ -21,7 +21,7 @@ from .cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
-from .prefetch import DECODE_THREADS_ENV, DeviceLoader, Normalize, decode_threads, is_uint8_batch
+from .prefetch import DeviceLoader, Normalize, is_uint8_batch
 from .remote import is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
 from .shardindex import ShardIndex
@@ -76,7 +76,6 @@ class DataBundle:
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
     jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
-    decode_threads: int = 1  # --decode gpu's threads preparing batches side by side (IMAGENET_DECODE_THREADS)
 
 
 def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
@@ -92,7 +91,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
     shards = _shard_index(cfg, root)
     classes = shards.classes if shards is not None else check_layout(root)
-    decoder, threads = None, 1
+    decoder = None
     if cfg.data_pipeline == "fast":
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
@@ -104,10 +103,8 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
             decoder = gpujpeg.require()
             train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
-            threads = decode_threads()
-            pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}"
-                        + (f"; {threads} decode threads side by side, {DECODE_THREADS_ENV}" if threads > 1 else "")
-                        + "), one kernel crops, resizes and flips")
+            pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}), "
+                        "one kernel crops, resizes and flips")
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
             train_tf = TrainCropReader(train_tf)
             pipeline = "fast: workers decode and crop, one kernel on the GPU resizes and flips each batch"
@@ -121,10 +118,10 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         train = ShardDataset(shards.splits["train"], train_tf, loader)
         val = ShardDataset(shards.splits["val"], val_tf, loader)
         layout = f"tar shards ({len(train)} train / {len(val)} val in {shards.shard_count} shards)"
-        return DataBundle(train, val, classes, root, pipeline, layout, decoder, threads)
+        return DataBundle(train, val, classes, root, pipeline, layout, decoder)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
-    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder, decode_threads=threads)
+    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder)
 
 
 def _shard_index(cfg, root: str) -> Optional[ShardIndex]:
@@ -214,6 +211,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
-                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder,
-                              decode_threads=data.decode_threads)
+                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder)
                  for loader in (train_loader, val_loader))

@@ -6,43 +6,30 @@ do it instead: :class:`imagenet.data.loaders.CollateNormalized`); the NHWC layou
 memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
 synthetic data) pass through, laid out as asked.
 
-With ``background=True`` (``--decode gpu``) a thread takes the batches from the DataLoader and
-prepares them -- nvJPEG decode, crops, resizes -- on its own stream, up to ``depth`` batches
-ahead; with ``decode_threads=N`` (``IMAGENET_DECODE_THREADS``) N threads do so side by side, each
-on its own stream, and the loop still gets the batches in the loader's order. The decoder call
-waits on the host for its decode; in the training thread it would hold up the step's own
-launches. The threads keep an account of their waits for the workers and their work, of the GPU
-time of their kernels (events, read once done) and of the workers' own times that came with each
-batch (:mod:`imagenet.data.inputaccount`), read per epoch with :meth:`DeviceLoader.stage_account`.
+With ``background=True`` (``--decode gpu``) one thread takes the batches from the DataLoader
+and prepares them -- the JPEG decode, crops, resizes -- on a high-priority stream of its own,
+up to ``depth`` batches ahead. The decoder call waits on the host for its decode: in the
+training thread it would hold up the step's own launches. One thread is enough: the decoder
+takes a whole batch per call, and more calls side by side did not raise the rate (docs/INPUT.md).
+The thread keeps an account of its waits and work, of the GPU time of its kernels and of the
+workers' own times that came with each batch (:mod:`imagenet.data.inputaccount`), read per
+epoch with :meth:`DeviceLoader.stage_account`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import queue
 import threading
 import time
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ..base.errors import UserError
 from . import gpujpeg
 from .cropbatch import CropBatch
 from .gpudecode import JpegBatch, decode_batch
 from .inputaccount import InputAccount
-
-
-DECODE_THREADS_ENV = "IMAGENET_DECODE_THREADS"
-
-
-def decode_threads() -> int:
-    """``--decode gpu``'s decode threads: ``$IMAGENET_DECODE_THREADS`` (for measurements), else 1."""
-    value = os.environ.get(DECODE_THREADS_ENV, "1") or "1"
-    if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise UserError(f"{DECODE_THREADS_ENV}={value!r}: give the number of threads that prepare --decode gpu's "
-                        "batches side by side, 1 to 16 (default 1)")
-    return int(value)
 
 
 class Normalize:
@@ -69,11 +56,10 @@ class DeviceLoader:
 
     def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
                  std: Sequence[float], background: bool = False, depth: int = 2,
-                 decoder: Optional[gpujpeg.JpegDecoder] = None, decode_threads: int = 1):
+                 decoder: Optional[gpujpeg.JpegDecoder] = None):
         self.loader = loader
         self.background = background
         self.depth = depth
-        self.decode_threads = decode_threads  # background: threads preparing batches side by side
         self.device = device
         self.channels_last = channels_last
         self.normalize = Normalize(mean, std, device)
@@ -171,13 +157,20 @@ class DeviceLoader:
 
     def _in_background(self) -> Iterator[tuple]:
         cuda = self.device.type == "cuda"
-        stage = _DecodeStage(self, cuda)
+        # high priority: the batch's small crop/resize kernels go ahead of the training step's
+        # queued kernels instead of waiting for gaps in them
+        stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._prepare, args=(iter(self.loader), stream, ready, stop),
+                                  name="batch-prepare", daemon=True)
+        thread.start()
         main = torch.cuda.current_stream(self.device) if cuda else None
         try:
             first = True
             while True:
                 asked = time.perf_counter()
-                kind, prepared, event = stage.next()
+                kind, prepared, event = ready.get()
                 if not first:  # the first is the workers starting up
                     self.account.add("train_wait", time.perf_counter() - asked)
                 first = False
@@ -191,89 +184,34 @@ class DeviceLoader:
                     current = _used_on(main, current)
                 yield current
         finally:
-            stage.close()
+            # The thread must be done with the loader's iterator before anyone makes a new one
+            # (persistent workers reuse it): stop it and wait for the batch it is on. The
+            # DataLoader notices dead workers within seconds, so the wait is bounded; the limit
+            # only keeps an interrupted run from hanging at exit.
+            stop.set()
+            thread.join(timeout=120)
 
+    def _prepare(self, it: Iterator, stream, ready: queue.Queue, stop: threading.Event) -> None:
+        """The background thread: each batch of ``it`` (the loader's) prepared on ``stream``, put in
+        ``ready`` as ("batch", prepared, event), then ("end", None, None), or ("error", e, None)."""
+        account = self.account
 
-class _DecodeStage:
-    """``--decode gpu``'s background stage: ``threads`` threads take the loader's batches in turn
-    and prepare them side by side, each on a high-priority stream of its own (the batch's small
-    crop/resize kernels go ahead of the training step's queued kernels instead of waiting for gaps
-    in them: at normal priority the step waited for its next batch); :meth:`next` hands them out
-    in the loader's order. A thread holds a prepared batch until it is among the next ``depth``
-    to go out, so the batches made ahead stay bounded and the one the loop waits for always has
-    room. Each thread keeps the account of its waits and work (:mod:`.inputaccount`: with several
-    threads the stages sum their times)."""
+        def offer(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
-    def __init__(self, loader: "DeviceLoader", cuda: bool):
-        self.loader, self.cuda, self.depth = loader, cuda, loader.depth
-        self.it = iter(loader.loader)
-        self.taking = threading.Lock()  # the DataLoader's iterator is not thread-safe
-        self.changed = threading.Condition()  # guards the fields below
-        self.taken = 0  # batches taken from the iterator: the next one's place
-        self.given = 0  # batches handed out: the next one to go
-        self.end: Optional[int] = None  # the place where the iterator ended (or failed)
-        self.done: dict = {}  # place -> ("batch", prepared, event) or ("error", exception, None)
-        self.stop = threading.Event()
-        threads = max(1, loader.decode_threads)
-        loader.account.threads = threads
-        self.threads = [threading.Thread(target=self._run, name=f"batch-prepare-{k}", daemon=True)
-                        for k in range(threads)]
-        for t in self.threads:
-            t.start()
-
-    def _take(self) -> tuple:
-        """(place, batch) of the loader's next batch: batch None at its end, or the exception the
-        iterator raised (the place is this batch's, so the error goes out in order)."""
-        with self.taking:
-            place = self.taken
-            if self.end is not None and place >= self.end:
-                return place, None
-            try:
-                batch = next(self.it)
-            except StopIteration:
-                self._finish(place)
-                return place, None
-            except BaseException as e:  # a worker's error, a dead worker
-                batch = e
-            self.taken += 1
-            return place, batch
-
-    def _finish(self, end: int, item: Optional[tuple] = None) -> None:
-        """Nothing goes out from ``end`` on; ``item`` (an error) goes out at ``end - 1``."""
-        with self.changed:
-            if item is not None:
-                self.done[end - 1] = item
-            self.end = end if self.end is None else min(self.end, end)
-            self.changed.notify_all()
-
-    def _put(self, place: int, item: tuple) -> bool:
-        """Hand ``item`` over once ``place`` is among the next ``depth`` to go out; False if stopped."""
-        with self.changed:
-            while place >= self.given + self.depth and not self.stop.is_set():
-                self.changed.wait(0.1)
-            if self.stop.is_set():
-                return False
-            self.done[place] = item
-            self.changed.notify_all()
-            return True
-
-    def _run(self) -> None:
-        loader, account = self.loader, self.loader.account
-        place = None
         try:
-            stream = torch.cuda.Stream(loader.device, priority=-1) if self.cuda else None
-            with torch.cuda.device(loader.device) if self.cuda else contextlib.nullcontext(), \
-                    torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
-                cpu, first = time.thread_time(), True
-                while not self.stop.is_set():
-                    clock = time.perf_counter()
-                    place, batch = self._take()
-                    if batch is None:
-                        return
-                    if isinstance(batch, BaseException):
-                        raise batch
+            with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext(), \
+                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                clock, cpu, first = time.perf_counter(), time.thread_time(), True
+                for batch in it:
                     arrived = time.perf_counter()
-                    if not first:  # a thread's first wait is the workers starting up
+                    if not first:  # the first wait is the workers starting up
                         account.add("starved", arrived - clock)
                     first = False
                     images = batch[0]
@@ -281,48 +219,22 @@ class _DecodeStage:
                         account.batch(images.worker_seconds, images.handoff)
                     else:
                         account.batch()
-                    prepared = loader._to_device(batch)
+                    prepared = self._to_device(batch)
                     event = None
-                    if self.cuda:
+                    if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
                     made = time.perf_counter()
                     account.add("busy", made - arrived)
-                    if not self._put(place, ("batch", prepared, event)):
+                    if not offer(("batch", prepared, event)):
                         return
-                    place = None
-                    account.add("ahead", time.perf_counter() - made)  # room only once the step took one
+                    clock = time.perf_counter()
+                    account.add("ahead", clock - made)  # room in the queue only once the step took one
                     account.add("thread_cpu", time.thread_time() - cpu)
                     cpu = time.thread_time()
-        except BaseException as e:  # raised again in the training thread, at this batch's place
-            if place is None:  # before taking a batch: a place of its own, the next one
-                with self.taking:
-                    place, self.taken = self.taken, self.taken + 1
-            self._finish(place + 1, ("error", e, None))
-
-    def next(self) -> tuple:
-        """The next batch in the loader's order: ("batch", prepared, event), ("error", e, None) or
-        ("end", None, None)."""
-        with self.changed:
-            while self.given not in self.done:
-                if self.end is not None and self.given >= self.end:
-                    return "end", None, None
-                self.changed.wait(0.1)
-            item = self.done.pop(self.given)
-            self.given += 1
-            self.changed.notify_all()
-            return item
-
-    def close(self) -> None:
-        """Stop the threads and wait for the batches they are on: the loader's iterator must be
-        done with before anyone makes a new one (persistent workers reuse it). The DataLoader
-        notices dead workers within seconds, so the wait is bounded; the limit only keeps an
-        interrupted run from hanging at exit."""
-        self.stop.set()
-        with self.changed:
-            self.changed.notify_all()
-        for t in self.threads:
-            t.join(timeout=120)
+            offer(("end", None, None))
+        except BaseException as e:  # a worker's error, a dead worker: raised again in the training thread
+            offer(("error", e, None))
 
 
 def _used_on(main: torch.cuda.Stream, batch: tuple) -> tuple:

@@ -153,9 +153,7 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
                        f"H200 from 15 workers, not with 6)")
             doing = (f"the decoder call {g('decode', 0):.0f} ms of it, launching the kernels the rest" if g("decode", 0)
                      else "nvJPEG's decode and the kernels' launches")
-            threads = int(g("threads", 1))
-            who = "its thread was" if threads == 1 else f"its {threads} threads, side by side, were"
-            return (f"the GPU decoding stage was the limit: {who} busy {g('busy', 0):.0f} ms a batch "
+            return (f"the GPU decoding stage was the limit: its thread was busy {g('busy', 0):.0f} ms a batch "
                     f"({doing}) while the {workers} kept up (it waited "
                     f"{g('starved', 0):.0f} ms a batch for them); {tip}")
         work = worker_ms(stages)

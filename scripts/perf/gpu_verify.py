@@ -13,7 +13,7 @@
     python scripts/perf/gpu_verify.py shrink     # Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline
     python scripts/perf/gpu_verify.py defaults --old DIR  # issue 27: the plain commands, old tree and this one; cold/warm start
     python scripts/perf/gpu_verify.py shards     # tar shards vs the folder they came from: img/s; --shards-parts accuracy: Acc@1
-    python scripts/perf/gpu_verify.py decode     # issue 28: CPU vs GPU decode at 4/6/15 workers, eager and CUDA graphs
+    python scripts/perf/gpu_verify.py decode     # CPU vs GPU decode at 4/6/15 workers, eager and CUDA graphs, each GPU JPEG decoder
 
 Options: --data DIR (a Fashion-MNIST ImageFolder; made from --idx-dir if missing), --epochs,
 --out DIR (logs and metrics of every run). Every command line is printed with its result, so
@@ -891,14 +891,12 @@ def _decode_auto(workers: list) -> str:
 
 def _decoder_table(data: str, batch: int) -> str:
     """Every GPU JPEG decoder alone on the idle GPU and beside a ResNet-50 training loop on the same
-    GPU, with the decode threads' CPU share in each (scripts/perf/jpeg_decoders.py), over 8
-    batches of the folder's training JPEGs, with 1, 2 and 4 decoder calls side by side (whether
-    more batches in flight keep the decode's pace beside the step: IMAGENET_DECODE_THREADS); the
-    hardware JPEG engines' use over all of it."""
+    GPU, with the decode thread's CPU share in each (scripts/perf/jpeg_decoders.py), over 8
+    batches of the folder's training JPEGs; the hardware JPEG engines' use over all of it."""
     with JpegEngines() as watched:
         try:
             out = subprocess.run([PY, "scripts/perf/jpeg_decoders.py", data, "--batch-size", str(batch), "--images",
-                                  str(8 * batch), "--passes", "3", "--threads", "1,2,4"],
+                                  str(8 * batch), "--passes", "3"],
                                  cwd=REPO, capture_output=True, text=True, timeout=300,
                                  env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
             table = out.stdout.strip() or out.stderr.strip()[-800:]
@@ -909,16 +907,20 @@ def _decoder_table(data: str, batch: int) -> str:
     return table + engines
 
 
-def _decoder_env(env: dict, spec: str) -> dict:
-    """A --decode-jpeg entry, DECODER or DECODER@THREADS, as the environment of its main.py row."""
-    jpeg, _, threads = spec.partition("@")
-    return dict(env, IMAGENET_GPU_JPEG=jpeg, IMAGENET_DECODE_THREADS=threads or "1")
+def _decode_jpegs(spec: str) -> list:
+    """--decode-jpeg as a list of the trainer's GPU JPEG decoders (empty: all of them), or exit 2."""
+    sys.path.insert(0, REPO)
+    from imagenet.data.gpujpeg import BACKENDS
+    jpegs = [j for j in spec.split(",") if j] or list(BACKENDS)
+    if set(jpegs) - set(BACKENDS):
+        fail(f"--decode-jpeg: {spec!r}; give GPU JPEG decoders of the trainer, comma-separated, of {','.join(BACKENDS)}")
+    return jpegs
 
 
 def phase_decode(args) -> None:
-    """Issue 28's table from one call: ResNet-50 --fp16 --channels-last -b --decode-batch end to end
+    """The input path's table from one call: ResNet-50 --fp16 --channels-last -b --decode-batch end to end
     from the benchmark JPEGs (cut to --decode-per-class a class) with CPU decode and --decode gpu
-    at each of --decode-workers workers, in each of --decode-modes (eager: --compile off;
+    (a row per --decode-jpeg decoder) at each of --decode-workers workers, in each of --decode-modes (eager: --compile off;
     cuda-graphs: the plain command, the speed defaults' fastest mode), beside main.py --dummy's
     synthetic step in the same mode. Each rate is the median of the epochs after the first
     (--decode-epochs; main.py leaves each epoch's first steps out), with the GPU's idle share and
@@ -929,6 +931,7 @@ def phase_decode(args) -> None:
     --decode-tests runs those tests first, in the same call. Rows run in order of importance (per mode: synthetic, GPU decode, CPU decode)
     within --decode-budget seconds (the tests' time included), each under --decode-timeout; a row
     that would start past the budget is reported as not run."""
+    jpegs = _decode_jpegs(args.decode_jpeg)  # GPU JPEG decoders, a row each (IMAGENET_GPU_JPEG)
     if visible_gpus() == 0:
         fail("the decode phase trains on a CUDA GPU (main.py --decode gpu); none is visible here")
     modes = args.decode_modes.split(",")
@@ -946,7 +949,6 @@ def phase_decode(args) -> None:
         print(tail(os.path.join(args.out, "decode-tests", "log.txt"), 3), flush=True)
     data = decode_subset(args)
     workers = [int(w) for w in args.decode_workers.split(",")]
-    jpegs = [j for j in args.decode_jpeg.split(",") if j]  # GPU JPEG decoders, a row each (IMAGENET_GPU_JPEG)
     batch, epochs = args.decode_batch, args.decode_epochs
     common = f"-a resnet50 -b {batch} --fp16 --channels-last --epochs {epochs} -p 1000 --output-dir OUT"
     classes = len(os.listdir(os.path.join(data, "train")))
@@ -972,7 +974,7 @@ def phase_decode(args) -> None:
             results.append((name, mode, decode, w, None))
             continue
         here = f"cd {old} && " if decode.startswith("old-") else ""  # the older tree's rows run there
-        env = _decoder_env(g0, decode.split(":")[1]) if decode.startswith("gpu:") else g0
+        env = dict(g0, IMAGENET_GPU_JPEG=decode.split(":")[1]) if decode.startswith("gpu:") else g0
         with JpegEngines("gpu" in decode) as watched:
             res = run_group([{"name": name, "cmd": f"{here}timeout {int(min(left, args.decode_timeout))} {cmd}",
                               "env": env}], args)[0]
@@ -1009,9 +1011,8 @@ def phase_decode(args) -> None:
                     med, lo, hi, wait = rates
                     share = f"{100 * med / synthetic[m]:.1f}" if synthetic.get(m) else ""
                     cells.append(f"{med:.0f} | {lo:.0f}..{hi:.0f} | {wait:.3f} | {share}")
-            jpeg, _, threads = decode.split(":")[-1].partition("@")
             label = {"cpu": "CPU decode", "old-gpu": f"`--decode gpu`, {old}"}.get(
-                decode, f"`--decode gpu`, {jpeg}" + (f", {threads} decode threads" if threads else ""))
+                decode, f"`--decode gpu`, {decode.split(':')[-1]}")
             print(f"| {label} | {w} | " + " | ".join(cells) + " |")
     accounts = {(decode[4:], w, m): v for (decode, w, m), v in rows.items() if decode.startswith("gpu:") and v[1]}
     keys = next(iter(accounts.values()))[1].keys() if accounts else []
@@ -1267,9 +1268,9 @@ def main() -> int:
                    help="decode: step modes, of " + ", ".join(f"{k} (main.py{v or ' as typed'})" for k, v in
                                                                DECODE_MODES.items()))
     p.add_argument("--decode-batch", type=int, default=384, help="decode: -b of every row")
-    p.add_argument("--decode-jpeg", default="nvimgcodec,torchvision",
-                   help="decode: the GPU JPEG decoders (IMAGENET_GPU_JPEG), a --decode gpu row each; DECODER@N runs "
-                        "it with N decode threads (IMAGENET_DECODE_THREADS), e.g. torchvision,nvjpeg@2,nvjpeg@4")
+    p.add_argument("--decode-jpeg", default="",
+                   help="decode: the GPU JPEG decoders (IMAGENET_GPU_JPEG), a --decode gpu row each, e.g. torchvision "
+                        "(default: every one the trainer has, torchvision,torchcodec)")
     p.add_argument("--decode-epochs", type=int, default=4, help="decode: epochs of every row (the first is left out)")
     p.add_argument("--decode-per-class", type=int, default=64,
                    help="decode: training JPEGs a class (100 classes) of the benchmark folder each epoch reads")

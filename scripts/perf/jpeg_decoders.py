@@ -1,33 +1,23 @@
 """Each GPU JPEG decoder of ``--decode gpu`` alone, then beside a training step on the same GPU.
 
     python scripts/perf/jpeg_decoders.py DIR [--batch-size 384] [--images 3072] [--passes 5]
-        [--decoders torchvision,torchcodec,nvimgcodec,nvjpeg,nvjpeg:gpu,dali,dali:0.9] [--threads 1,2,4]
-        [--load resnet50|none] [--load-stream default|side] [--profile]
+        [--decoders torchvision,torchcodec] [--load resnet50|none] [--load-stream default|side] [--profile]
 
-Issue 28 measured torchvision's batched nvJPEG call at about 30,000 img/s on an idle H200, while
-in training the same call took 55 ms a batch of 384 (about 7,000 img/s), nearly all of it the
-decode thread's own CPU time. This tool separates the two conditions in one process, as the
-trainer has them: the decoder (``imagenet.data.gpujpeg``, the call ``--decode gpu`` makes) runs in
-one thread on a high-priority stream of its own (as the trainer's background thread does); with
-``--load resnet50`` another thread trains torchvision's ResNet-50 (fp16, channels_last, batch
---load-batch) meanwhile, one step queued ahead of the GPU as a training loop keeps it, on CUDA's
-legacy default stream (main.py's loop's) or, with ``--load-stream side``, a stream of its own.
-Every decoder is timed alone first, then each beside the load. For each it prints img/s alone and
-under the load (the median of --passes passes over --images JPEGs of DIR's ``train`` folder,
-after one warm-up pass), the decode thread's CPU time as a share of its wall time in each case
-(near 1 while it waits: CUDA's synchronisation spins, so a high share means host work or a
-spin-wait, and a share that rises only under the load means waiting for the GPU), and the load's
-steps a second alone and beside each decoder (what the decode takes from the step); each row as
-soon as it is measured. ``--profile`` adds one pass of each beside the load under torch's
-profiler: the CUDA calls by host time (a synchronisation per image shows here) and the kernels by
-GPU time. ``--nvimgcodec-backends`` adds a row for each nvImageCodec setup, e.g. the hardware
-engines taking 70% of a batch and the CUDA cores the rest (``hw:0.7,gpu``); ``nvjpeg:gpu`` is
-our nvJPEG binding (``imagenet.data.nvjpeg``) forced onto the CUDA cores, ``dali:0.9`` DALI's
-decoder with 90% of each batch on the hardware engines. ``--threads 1,2,4``
-measures each decoder with 1, 2 and 4 decoder calls side by side, each in a thread and on a stream
-of its own (whether more batches in flight raise the rate where one call waits: the trainer's
-``IMAGENET_DECODE_THREADS``). ``--device cpu`` runs the same loop on a CPU device
-(each decoder's libjpeg path), to try the tool anywhere.
+An idle GPU decodes far faster than one that trains: this tool measures both conditions in one
+process, as the trainer has them. The decoder (``imagenet.data.gpujpeg``, the call ``--decode
+gpu`` makes) runs in one thread on a high-priority stream of its own, as the trainer's decode
+thread does; with ``--load resnet50`` another thread trains torchvision's ResNet-50 (fp16,
+channels_last, batch --load-batch) meanwhile, one step queued ahead of the GPU as a training loop
+keeps it, on CUDA's legacy default stream (main.py's loop's) or, with ``--load-stream side``, a
+stream of its own. Every decoder is timed alone first, then each beside the load. For each it
+prints img/s alone and under the load (the median of --passes passes over --images JPEGs of
+DIR's ``train`` folder, after one warm-up pass), the decode thread's CPU time as a share of its
+wall time in each case (near 1 while it waits: CUDA's synchronisation spins, so a share that
+rises only under the load means waiting for the GPU), and the load's steps a second alone and
+beside each decoder (what the decode takes from the step); each row as soon as it is measured.
+``--profile`` adds one pass of each beside the load under torch's profiler: the CUDA calls by
+host time and the kernels by GPU time. ``--device cpu`` runs the same loop on a CPU device (each
+decoder's libjpeg path), to try the tool anywhere.
 """
 
 from __future__ import annotations
@@ -45,9 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from imagenet.base.errors import UserError  # noqa: E402
 from imagenet.data import gpujpeg  # noqa: E402
-from imagenet.data import nvjpeg  # noqa: E402
 
 
 class Load(threading.Thread):
@@ -104,39 +92,23 @@ class Load(threading.Thread):
         return (self.steps - mark[0]) / (time.perf_counter() - mark[1])
 
 
-def passes(decoder, datas: list, batch: int, device: torch.device, n: int, threads: int = 1) -> tuple:
-    """img/s of each of ``n`` passes after one warm-up, and the decoding threads' CPU share over
-    them; ``threads`` decode the batches side by side, each on a stream of its own."""
+def passes(decoder, datas: list, batch: int, device: torch.device, n: int) -> tuple:
+    """img/s of each of ``n`` passes after one warm-up, and the decoding thread's CPU share over them."""
     batches = [datas[i:i + batch] for i in range(0, len(datas), batch)]
-    # high priority, as --decode gpu's background thread's stream (a decoder that queues its kernels
-    # on the caller's stream has them scheduled ahead of the load's)
-    streams = [torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None for _ in range(threads)]
-    cpu = [0.0] * threads
-
-    def work(k: int) -> None:
-        c0 = time.thread_time()
-        with torch.cuda.stream(streams[k]) if streams[k] is not None else contextlib.nullcontext():
-            for part in batches[k::threads]:
+    # high priority, as --decode gpu's decode thread's stream (a decoder that queues its kernels on
+    # the caller's stream has them scheduled ahead of the load's)
+    stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+    rates, wall, cpu = [], 0.0, 0.0
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for rep in range(n + 1):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for part in batches:
                 decoder.decode(part, device)
-        cpu[k] += time.thread_time() - c0
-
-    rates, wall = [], 0.0
-    for rep in range(n + 1):
-        t0 = time.perf_counter()
-        if threads == 1:
-            work(0)
-        else:
-            pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
-        if rep:
-            rates.append(len(datas) / (time.perf_counter() - t0))
-            wall += time.perf_counter() - t0
-        else:
-            cpu[:] = [0.0] * threads  # the warm-up's CPU time is left out
-    return rates, sum(cpu) / (wall * threads) if wall else 0.0
+            if rep:  # the warm-up pass is left out
+                rates.append(len(datas) / (time.perf_counter() - t0))
+                wall += time.perf_counter() - t0
+                cpu += time.thread_time() - c0
+    return rates, cpu / wall if wall else 0.0
 
 
 def _gpu_us(event) -> float:
@@ -144,7 +116,7 @@ def _gpu_us(event) -> float:
     return getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
 
 
-def profile(decoder, datas: list, batch: int, device: torch.device, threads: int = 1, top: int = 10) -> str:
+def profile(decoder, datas: list, batch: int, device: torch.device, top: int = 10) -> str:
     """One pass of the decoder (beside the load where it runs) under torch's profiler: the CUDA
     runtime and driver calls by their total host time (a synchronisation or an allocation that
     waits for the whole device shows here, with its count), and the GPU kernels by their device
@@ -153,7 +125,7 @@ def profile(decoder, datas: list, batch: int, device: torch.device, threads: int
     from torch.profiler import profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        passes(decoder, datas, batch, device, 0, threads)
+        passes(decoder, datas, batch, device, 0)
     events = prof.key_averages()
     api = sorted((e for e in events if e.key.startswith("cu") and e.cpu_time_total > 0),
                  key=lambda e: -e.cpu_time_total)[:top]
@@ -172,17 +144,10 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=3072, help="JPEGs a pass decodes")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--decoders", default=",".join(gpujpeg.BACKENDS),
-                   help="comma-separated; nvjpeg:gpu is our nvJPEG binding on the CUDA cores only, dali:0.9 DALI's "
-                        "decoder giving the hardware engines 90%% of a batch")
-    p.add_argument("--nvimgcodec-backends", default="",
-                   help="more nvImageCodec rows, one per ';'-separated IMAGENET_NVIMGCODEC_BACKENDS value, "
-                        "e.g. 'hw;hw:0.7,gpu;hw:0.5,gpu'")
+                   help=f"comma-separated, of {', '.join(gpujpeg.BACKENDS)}")
     p.add_argument("--load", choices=("resnet50", "none"), default="resnet50")
     p.add_argument("--load-batch", type=int, default=256)
     p.add_argument("--load-size", type=int, default=224)
-    p.add_argument("--threads", default="1",
-                   help="decoder calls side by side, each in a thread and on a stream of its own; a list (1,2,4) "
-                        "gives a row per count")
     p.add_argument("--load-stream", choices=("side", "default"), default="default",
                    help="the load's stream: CUDA's legacy default stream (main.py's training loop's) or one of its own")
     p.add_argument("--profile", action="store_true",
@@ -190,6 +155,12 @@ def main(argv=None) -> int:
                         "and kernels")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
+    wanted = [n for n in args.decoders.split(",") if n]
+    unknown = [n for n in wanted if n not in gpujpeg.BACKENDS]
+    if not wanted or unknown:
+        print(f"error: --decoders {args.decoders!r}: give GPU JPEG decoders of the trainer, comma-separated, of "
+              f"{', '.join(gpujpeg.BACKENDS)}", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA GPU is visible (use --device cpu to try the tool)", file=sys.stderr)
@@ -199,48 +170,18 @@ def main(argv=None) -> int:
         print(f"error: no images under {os.path.join(args.data, 'train')}", file=sys.stderr)
         return 2
     datas = [torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8) for path in paths]
-    counts = [t for t in args.threads.split(",") if t]
-    if not counts or not all(t.isdigit() and int(t) >= 1 for t in counts):
-        print(f"error: --threads {args.threads!r}: give decoder calls side by side, e.g. 1 or 1,2,4", file=sys.stderr)
-        return 2
-    counts = [int(t) for t in counts]
-    wanted = [(n, None) for n in args.decoders.split(",") if n]
-    wanted += [(f"nvimgcodec {spec}", spec) for spec in args.nvimgcodec_backends.split(";") if spec]
-    for name, spec in wanted:
-        try:
-            if spec is not None:
-                gpujpeg.nvimgcodec_backends(spec)
-            elif name.startswith("dali:"):
-                gpujpeg.dali_hw_load(name.split(":", 1)[1])
-        except UserError as e:
-            print(f"error: {'--nvimgcodec-backends' if spec is not None else f'--decoders: {name!r}'}: {e}",
-                  file=sys.stderr)
-            return 2
-        if name.startswith("nvjpeg:") and name.split(":", 1)[1] not in nvjpeg.BACKENDS:
-            print(f"error: --decoders: {name!r}: our nvJPEG binding set up another way is named nvjpeg:BACKEND, "
-                  f"BACKEND one of {', '.join(nvjpeg.BACKENDS)}", file=sys.stderr)
-            return 2
     load = Load(device, args.load_batch, args.load_size, args.load_stream) if args.load != "none" else None
-    decoders = []  # (row name, decoder or None, threads)
-    for name, spec in wanted:
-        if name.startswith("nvjpeg:"):
-            decoder = gpujpeg.nvjpeg_decoder(name.split(":", 1)[1])
-        elif name.startswith("dali:"):
-            decoder = gpujpeg.dali_decoder(gpujpeg.dali_hw_load(name.split(":", 1)[1]))
-        else:
-            decoder = gpujpeg.find(name) if spec is None else gpujpeg.nvimgcodec_decoder(spec)
-        decoders += [(name if len(counts) == 1 else f"{name}, {n} thread{'s' if n > 1 else ''}", decoder, n)
-                     for n in counts]
+    decoders = [(name, gpujpeg.find(name)) for name in wanted]
     # every decoder alone first, while the load has not started
-    alone_rates = {name: passes(decoder, datas, args.batch_size, device, args.passes, n)
-                   for name, decoder, n in decoders if decoder is not None}
+    alone_rates = {name: passes(decoder, datas, args.batch_size, device, args.passes)
+                   for name, decoder in decoders if decoder is not None}
     print(f"{len(datas)} JPEGs of {args.data}, batches of {args.batch_size}, {args.passes} passes after one, on "
-          f"{device}, decoding threads {args.threads}; load: {args.load}"
+          f"{device}; load: {args.load}"
           + (f" (batch {args.load_batch}, {args.load_size} px, {args.load_stream} stream)" if load else ""))
     print("\n| decoder | img/s alone | thread CPU share | img/s beside the load | thread CPU share "
           "| load's steps kept |\n| --- | --- | ---: | --- | ---: | ---: |", flush=True)
     try:
-        for name, decoder, n in decoders:  # each row printed once measured: a run cut short keeps its rows
+        for name, decoder in decoders:  # each row printed once measured: a run cut short keeps its rows
             if decoder is None:
                 print(f"| {name} | not available here | | | | |", flush=True)
                 continue
@@ -255,7 +196,7 @@ def main(argv=None) -> int:
                     print(f"error: the load's training step failed: {load.error}", file=sys.stderr)
                     return 2
                 mark = load.mark()
-                under, under_share = passes(decoder, datas, args.batch_size, device, args.passes, n)
+                under, under_share = passes(decoder, datas, args.batch_size, device, args.passes)
                 beside = load.since(mark)  # over the warm-up pass too: the decoder ran all along
                 loaded = f"{statistics.median(under):.0f} ({min(under):.0f}..{max(under):.0f})"
                 loaded_share = f"{under_share:.2f}"
@@ -264,7 +205,7 @@ def main(argv=None) -> int:
                   f"| {loaded} | {loaded_share} | {kept} |", flush=True)
             if args.profile:
                 print(f"{name}, one pass{' beside the load' if load is not None else ''}:\n"
-                      + profile(decoder, datas, args.batch_size, device, n), flush=True)
+                      + profile(decoder, datas, args.batch_size, device), flush=True)
     finally:
         if load is not None and load.is_alive():
             load.stop.set()
