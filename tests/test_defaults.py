@@ -141,19 +141,20 @@ def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_p
 
 
 @pytest.mark.parametrize("flags, host, decode, words", [
-    # issue 28's table: one H200 of 16 cores; with the default 4 workers CPU decoding is the limit
-    ([], machine(16), "gpu", "4 workers, 16 CPU cores per GPU: 4 decoding for each GPU would hold the step back"),
-    (["-j", "15"], machine(16), "cpu", "15 decoding for each GPU keep up"),
-    (["-j", "6"], machine(16), "gpu", "6 decoding"),
-    # eight GPUs on 64 cores: 8 a GPU, however many workers each process asks for
-    (["-j", "15"], machine(8, mode="ddp"), "gpu", "8 CPU cores per GPU: 8 decoding"),
-    (["-j", "15"], machine(16, mode="ddp"), "cpu", "15 decoding"),
+    # one GPU a process: the GPU decodes JPEGs at every worker count (on an H200 it fed the step
+    # faster than 2-15 decoding workers once its stream had a hardware queue of its own)
+    ([], machine(16), "gpu", "4 workers, 16 CPU cores per GPU (on an H200 the GPU decode fed the step faster"),
+    (["-j", "15"], machine(16), "gpu", "15 workers"),
+    (["-j", "2"], machine(16), "gpu", "2 workers"),
+    (["-j", "64"], machine(64), "gpu", "64 workers"),
+    (["-j", "15"], machine(8, mode="ddp"), "gpu", "8 CPU cores per GPU"),
+    (["-j", "15"], machine(16, mode="ddp"), "gpu", "15 workers"),
     # DataParallel: one process's workers feed every GPU
-    (["-j", "24"], machine(16, mode="dp", gpus_per_process=2), "cpu", "12 decoding"),
-    (["-j", "16"], machine(16, mode="dp", gpus_per_process=2), "gpu", "8 decoding"),
+    (["-j", "24"], machine(16, mode="dp", gpus_per_process=2), "cpu", "12 decoding for each GPU, where one decode"),
+    (["-j", "16"], machine(16, mode="dp", gpus_per_process=2), "gpu", "8 decoding for each GPU would hold"),
     ([], machine(16, gpu_decode=False), "cpu", "no GPU JPEG decoder"),
     ([], machine(2, jpeg=False), "cpu", "the training images are not JPEGs: nvJPEG decodes only JPEGs"),
-    ([], machine(2, jpeg=True), "gpu", "2 decoding for each GPU"),
+    ([], machine(2, jpeg=True), "gpu", "4 workers, 2 CPU cores per GPU"),
     (["--data-pipeline", "classic"], machine(2), "cpu", "--data-pipeline classic"),
     (["--auto-augment", "randaugment"], machine(2), "cpu", "work on decoded pixels in the workers"),
     (["--random-erase", "0.25"], machine(2), "cpu", "work on decoded pixels in the workers"),
@@ -192,9 +193,11 @@ def test_images_are_jpeg_looks_at_the_first_class_folder(tmp_path):
 def test_decode_auto_names_the_flag_that_changes_it():
     def line(argv, host):
         return lines(plan_of(["DIR", "--decode", "auto", *argv], host))
-    assert line([], machine(16)).endswith("(-j 12 --decode cpu decodes in the workers)")  # enough cores for it
-    assert line([], machine(8)).endswith("(--decode cpu decodes in the workers)")  # too few to help
-    assert line(["-j", "15"], machine(16)).endswith("(--decode gpu decodes on the GPU)")
+    assert line([], machine(16)).endswith("(--decode cpu decodes in the workers)")
+    dp = {"mode": "dp", "gpus_per_process": 2}
+    assert line([], machine(16, **dp)).endswith("(-j 24 --decode cpu decodes in the workers)")  # enough cores for it
+    assert line([], machine(8, **dp)).endswith("(--decode cpu decodes in the workers)")  # too few to help
+    assert line(["-j", "32"], machine(16, **dp)).endswith("(--decode gpu decodes on the GPU)")
 
 
 def test_decode_auto_on_synthetic_data_and_decode_as_asked_say_nothing():

@@ -8,10 +8,12 @@ without either. The training layer's speed defaults (:mod:`imagenet.training.def
 the facts once and call it; it returns the choice with its reason and the flag that changes it,
 for the banner.
 
-The rule: the GPU decodes when fewer than :data:`CPU_DECODE_CORES` workers would decode for each
-GPU (the workers asked for, capped by the cores there are per GPU); from that many, the workers
-decode and the GPU only trains. On an H200, 15 workers decoding kept up with ResNet-50's fastest
-step and 6 did not; the threshold sits between the two (the figures: docs/INPUT.md).
+The rule: where each process trains one GPU (one GPU, DDP), the GPU decodes JPEGs whatever the
+worker count: on an H200, with the decode stream on a hardware queue of its own
+(:mod:`imagenet.base.processenv`), it fed ResNet-50's fastest step faster than the workers'
+decode at every count measured, 2 to 15 (the figures: docs/INPUT.md). Under DataParallel one
+process's decode thread feeds every GPU, so there the workers decode once at least
+:data:`CPU_DECODE_CORES` of them would decode for each GPU.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Optional
 
 from . import gpujpeg
 
-CPU_DECODE_CORES = 12  # workers decoding for one GPU from which CPU decoding keeps up (15 did, 6 did not)
-_MEASURED = f"15 kept up with an H200, 6 did not; auto draws the line at {CPU_DECODE_CORES}"
+CPU_DECODE_CORES = 12  # DataParallel: workers decoding for each GPU from which the workers decode
+_MEASURED = "on an H200 the GPU decode fed the step faster than 2-15 decoding workers"
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,16 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
         what = "the built-in dataset is stored as PNGs" if not cfg.data else "the training images are not JPEGs"
         return DecodeChoice("cpu", f"{what}: nvJPEG decodes only JPEGs",
                             "--decode gpu still decodes any JPEGs on the GPU, the rest in the workers")
-    decoding = min(cfg.workers // max(gpus_per_process, 1), cpus_per_gpu)
     share = f"{_plural(cfg.workers, 'worker')}, {_plural(cpus_per_gpu, 'CPU core')} per GPU"
+    if gpus_per_process <= 1:
+        return DecodeChoice("gpu", f"{share} ({_MEASURED})", "--decode cpu decodes in the workers")
+    # DataParallel: one decode thread for every GPU, so many workers per GPU decode instead
+    decoding = min(cfg.workers // gpus_per_process, cpus_per_gpu)
+    dp = f"{share}, one process feeding {gpus_per_process} GPUs (DataParallel)"
     if decoding >= CPU_DECODE_CORES:
-        return DecodeChoice("cpu", f"{share}: {decoding} decoding for each GPU keep up with the step ({_MEASURED})", "--decode gpu decodes on the GPU")
+        return DecodeChoice("cpu", f"{dp}: {decoding} decoding for each GPU, where one decode thread would feed them "
+                            "all", "--decode gpu decodes on the GPU")
     fix = "--decode cpu decodes in the workers"
     if cpus_per_gpu >= CPU_DECODE_CORES:
-        fix = f"-j {CPU_DECODE_CORES * max(gpus_per_process, 1)} {fix}"
-    return DecodeChoice("gpu", f"{share}: {decoding} decoding for each GPU would hold the step back ({_MEASURED})", fix)
+        fix = f"-j {CPU_DECODE_CORES * gpus_per_process} {fix}"
+    return DecodeChoice("gpu", f"{dp}: {decoding} decoding for each GPU would hold the step back", fix)

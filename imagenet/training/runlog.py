@@ -149,8 +149,8 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
             if cpus - 1 >= CPU_DECODE_CORES:
                 tip = f"try --decode cpu -j {cpus - 1}, which decodes in the workers"
             else:
-                tip = (f"with {cpus} CPUs {here}, --decode cpu is unlikely to do better (CPU decoding kept up with an "
-                       f"H200 from 15 workers, not with 6)")
+                tip = (f"with {cpus} CPUs {here}, --decode cpu is unlikely to do better (on an H200, 12 decoding "
+                       f"workers fed 75% of the step, 15 fed 91-99%)")
             doing = (f"the decoder call {g('decode', 0):.0f} ms of it, launching the kernels the rest" if g("decode", 0)
                      else "nvJPEG's decode and the kernels' launches")
             return (f"the GPU decoding stage was the limit: its thread was busy {g('busy', 0):.0f} ms a batch "
