@@ -1,27 +1,10 @@
 """Where a ``--decode gpu`` training batch's time goes, per stage, summed over an epoch.
 
-======================  =============================================================================
-workers                 (one worker's seconds for the whole batch; ``-j`` of them work side by side)
-``read``                reading the files (a tar shard's sample: its ``pread``): a slow disk shows here
-``parse``               the JPEG header, the crop and flip draw
-``fallback``            decoding the files the GPU does not take (PNG, CMYK, progressive, EXIF-rotated)
-                        on the worker's CPU
-``collate``             laying the batch in its shared-memory buffer, with the geometry kernel's table
-decode thread           (:class:`imagenet.data.prefetch.DeviceLoader`'s background thread)
-``starved``             waiting for the workers' next batch (the hand-off to this process included)
-``handoff``             of that, unpickling the batch here (shared memory: file descriptors, not bytes)
-``busy``                preparing the batch: the decoder call, launching the geometry kernel and the
-                        normalisation
-``decode``              of that, the decoder call: it waits on the host for nvJPEG's decode
-``decode_cpu``          the CPU time of the decoder call (the rest of it is waiting for the GPU)
-``ahead``               waiting for room in the queue: batches ready before the training step wants them
-``thread_cpu``          the thread's CPU time (much of it holding the GIL the step needs too)
-GPU                     (CUDA timing events on the decode stream; zero on a CPU)
-``geometry``            the crop, resize and flip kernel and the copies it needs
-``normalise``           uint8 to normalised float
-training thread
-``train_wait``          waiting at the queue for a prepared batch
-======================  =============================================================================
+Stages (their meanings beside :data:`STAGES`): the workers' (one worker's seconds for the whole
+batch; ``-j`` of them work side by side), the decode thread's
+(:class:`imagenet.data.prefetch.DeviceLoader`'s background thread, all of its time and parts of
+it), the GPU's (CUDA timing events on the decode stream; zero on a CPU) and the training
+thread's wait at the queue.
 
 Host clocks are read around calls that return anyway, and the two GPU stages are events recorded
 on the decode stream and read once they are done (the epoch's last few when it is taken): nothing
@@ -41,10 +24,21 @@ from typing import Optional, Sequence
 
 import torch
 
+# read: reading the files (a tar shard's sample: its pread), where a slow disk shows; parse: the JPEG
+# header, the crop and flip draw; fallback: decoding on the worker's CPU what the GPU does not take
+# (PNG, CMYK, progressive, EXIF-rotated); collate: laying the batch in its shared-memory buffer
 WORKER_STAGES = ("read", "parse", "fallback", "collate")
-THREAD_STAGES = ("starved", "busy", "ahead")  # the decode thread's time, all of it
-DETAIL_STAGES = ("handoff", "decode", "decode_cpu", "thread_cpu")  # parts of those, and its CPU time
+# starved: waiting for the workers' next batch (the hand-off included); busy: preparing the batch
+# (the decoder call, launching the geometry and normalisation kernels); ahead: waiting for room in
+# the queue, batches ready before the step wants them
+THREAD_STAGES = ("starved", "busy", "ahead")
+# handoff: of starved, unpickling the batch (shared memory: descriptors, not bytes); decode: of busy,
+# the decoder call, which waits on the host for nvJPEG; decode_cpu: that call's CPU time (the rest
+# is waiting for the GPU); thread_cpu: the thread's CPU time (much of it holding the GIL)
+DETAIL_STAGES = ("handoff", "decode", "decode_cpu", "thread_cpu")
+# geometry: the crop, resize and flip kernel and its copies; normalise: uint8 to normalised float
 GPU_STAGES = ("geometry", "normalise")
+# train_wait: the training thread waiting at the queue for a prepared batch
 STAGES = WORKER_STAGES + THREAD_STAGES + DETAIL_STAGES + GPU_STAGES + ("train_wait",)
 
 

@@ -1,40 +1,22 @@
 """Training-mode BatchNorm fused with the residual add and the ReLU, in Triton (``--bn-kernel triton``).
 
-Why: in an eager ResNet-50 step (one H200, batch 256, ``--fp16 --channels-last``) cuDNN's
-BatchNorm takes 13.7 ms and the separate ReLU, residual add and their gradients another 10.1 ms
-of the 39.5 ms step (docs/BENCHMARKS.md, run Y3). Each of those is a pass over the activations
-in memory. Fused, one BatchNorm layer with its add and ReLU costs the passes the arithmetic
-needs and no more:
+In a ResNet step BatchNorm, the ReLU, the residual add and their gradients are separate passes
+over the activations in memory (their time per step: docs/BENCHMARKS.md). Fused, a layer costs
+the passes its arithmetic needs: forward, one for the per-channel statistics (tile sums combined
+in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU;
+backward, one for the two per-channel sums and one that writes the input's (and the residual's)
+gradient. A block's output, read by the next block's convolution and shortcut, is forked
+(:class:`_ForkedBnAct`) so both backward passes load its two gradients instead of autograd
+summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
+passes); it is then the float32 sum's mask, which differs from torch's only for outputs that
+round to zero in fp16. Arithmetic is float32; outputs are rounded once; running statistics
+follow torch's rule.
 
-* forward: one pass for the per-channel mean and variance (sums per tile, the tiles' partial
-  results combined in a fixed order, so the result is deterministic), one pass that normalises,
-  adds the residual and applies the ReLU;
-* backward: one pass for the two per-channel sums (of the ReLU-masked gradient and of it times
-  the centred input), one pass that writes the input's gradient (and the residual's). A block's
-  output is read twice by the next block (its first convolution and its shortcut), so it gets
-  two gradients: the output is forked (:class:`_ForkedBnAct`) and both passes load the two and
-  add them, where autograd would sum them in a pass of its own first (1.2 ms of a 48 ms
-  ResNet-50 step at batch 384, docs/BENCHMARKS.md, run BB4).
-
-Where no residual is added (two of a Bottleneck's three BatchNorms) the ReLU's mask is
-recomputed from the input and the statistics instead of read from the output: two fewer passes
-in the backward. The mask is then that of the float32 sum before rounding, so an output that
-rounds to zero from a positive float32 value (below 3e-8 in fp16) passes its gradient where
-torch's would not; nothing else differs.
-
-The arithmetic is in float32 whatever the activations' dtype; the output and gradients are
-rounded once, where torch rounds BatchNorm's output before the add. The running statistics
-follow torch's rule (momentum, unbiased variance).
-
-The kernels are ``torch.library`` custom ops (the statistics, which update the running ones in
-place; the normalisation, with an autograd rule; its backward), so torch.compile keeps them as
-they are (``--compile`` with ``--bn-kernel triton``: Inductor compiles the rest of the step
-around them) and CUDA graphs capture them. Only channels_last
-tensors on CUDA (or under ``TRITON_INTERPRET=1``) of a plain ``nn.BatchNorm2d`` with affine
-parameters, running statistics and a fixed momentum take the kernels, in training mode;
-everything else (evaluation, other layers) runs torch's modules. :func:`fuse_resnet` rewires
-torchvision's ResNet blocks to call :func:`bn_act` and keeps every module, parameter and buffer
-name, so state dicts are torchvision's.
+The kernels are ``torch.library`` custom ops, so ``torch.compile`` keeps them and CUDA graphs
+capture them. Only channels_last CUDA tensors (or ``TRITON_INTERPRET=1``) of a plain
+``nn.BatchNorm2d`` in training mode take them; everything else runs torch's modules.
+:func:`fuse_resnet` rewires torchvision's ResNet blocks to call :func:`bn_act`, keeping every
+module, parameter and buffer name, so state dicts are torchvision's.
 """
 
 import json
@@ -70,8 +52,7 @@ class Launch:
     stages: int = 1
 
 
-# The settings of scripts/perf/bn_kernel_sweep.py's fastest rows on an H200 (docs/BENCHMARKS.md: runs Z3, and
-# AA2 for the reductions' pipelined loops)
+# The settings of scripts/perf/bn_kernel_sweep.py's fastest rows on an H200 (its figures: docs/BENCHMARKS.md)
 LAUNCH = {"stats": Launch(4096, 4, 2, 4), "apply": Launch(2048, 4), "grad": Launch(2048, 4, 2, 4),
           "grad_input": Launch(2048, 4)}
 LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
