@@ -322,7 +322,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
-                                 len(start.data.train) + len(start.data.val))
+                                 len(start.data.train) + len(start.data.val), earlier=progress.unreadable)
         is_best = saver.is_best(val.acc1, progress)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
@@ -418,11 +418,13 @@ def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
     return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
 
 
-def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int) -> int:
-    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run."""
+def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int,
+                   earlier: int = 0) -> int:
+    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run.
+    ``paths``: this process's; ``earlier``: the training images counted before a mid-epoch resume."""
     count = torch.tensor([float(len(paths))], device=ctx.device)
-    count = int(distributed.all_reduce_sum(count, ctx).item())
-    log.skipped_images(epoch, paths, count)
+    count = int(distributed.all_reduce_sum(count, ctx).item()) + earlier
+    log.skipped_images(epoch, paths, count, earlier)
     if total_images and count / total_images > cfg.max_bad_fraction:
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
