@@ -29,6 +29,7 @@ from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.torch_private import set_last_lr
 from ..base.wrappers import uncompiled, unwrap
+from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -197,6 +198,7 @@ class _Start:
     state: TrainState
     progress: Progress
     iters: int  # optimizer steps per epoch
+    data_order: Optional[dict] = None  # what decides the training data's order (data.dataorder), for checkpoints
 
 
 def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float, requested: Config) -> dict:
@@ -265,11 +267,12 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
     if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
         raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
+    order = None if cfg.evaluate else dataorder.fingerprint(data.train, train_loader.sampler)
     if resume_path:
-        progress = resume_from(resume_path, cfg, ctx, state, len(data.classes))
+        progress = resume_from(resume_path, cfg, ctx, state, len(data.classes), order)
     if cfg.start_epoch is not None:
         progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
-    return _Start(data, train_loader, val_loader, state, progress, iters)
+    return _Start(data, train_loader, val_loader, state, progress, iters, order)
 
 
 def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
@@ -303,7 +306,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     """The recipe: per epoch, train (saving every --save-every-steps; a stop signal saves and
     ends the run), validate (and the weight average), save, report."""
     state, progress = start.state, start.progress
-    saver = CheckpointPolicy(cfg, ctx, start.data.classes)
+    saver = CheckpointPolicy(cfg, ctx, start.data.classes, start.data_order)
     log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
     run_start = time.perf_counter()
     first = _FirstStep(started, ctx, cfg.compile)
