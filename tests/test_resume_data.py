@@ -233,7 +233,7 @@ def test_the_check_acts_mid_epoch_only_and_as_told(caplog):
     caplog.set_level("INFO", logger="imagenet")
     caplog.clear()
     assert _check(a, b, step=0).step == 0  # an epoch's end: a whole epoch follows anyway
-    assert "epoch 3 starts from its beginning" in caplog.text
+    assert "epoch 3 is trained from its start" in caplog.text
     for saved, now in ((a, a), (a, None), (None, a), ("absent", a)):
         assert _check(saved, now, step=2).step == 2, (saved, now)
 

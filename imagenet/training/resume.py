@@ -96,8 +96,8 @@ def _check_data_order(ckpt: dict, progress: Progress, path: str, cfg, now: Optio
     if not changed:
         return progress
     if not progress.step:
-        logger.info("=> note: the training data's order changed since %s was written (%s); epoch %d starts from "
-                    "its beginning, where that leaves no image out", path, changed, progress.epoch)
+        logger.info("=> note: the training data's order changed since %s was written (%s); epoch %d is trained "
+                    "from its start, every image of it once", path, changed, progress.epoch)
         return progress
     where = f"{path} was written in the middle of epoch {progress.epoch} (after step {progress.step})"
     if cfg.on_data_change == "stop":
