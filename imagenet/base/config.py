@@ -128,6 +128,8 @@ class Config:
     output_dir: str = "."
     resume: str = ""  # a checkpoint path, or "auto" for OUTPUT_DIR/checkpoint.pth.tar if present
     save_every_steps: int = 0  # also checkpoint every N training steps inside an epoch (0: per epoch only)
+    on_data_change: str = "stop"  # a mid-epoch resume whose data order changed (files, shards, --seed,
+    #                               --shuffle-window): stop (exit 2) | restart-epoch (train that epoch from its start)
     evaluate: bool = False
     seed: Optional[int] = None
     deterministic: bool = False  # deterministic cuDNN algorithms (slower)
@@ -158,7 +160,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
             "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu", "auto"), "maxpool_kernel": MAXPOOL_KERNELS,
-            "bn_kernel": BN_KERNELS}
+            "bn_kernel": BN_KERNELS, "on_data_change": ("stop", "restart-epoch")}
 _HELP = {
     "batch_size": "global batch over all devices (default 256)",
     "loss_scale": "static loss scale (a number) or 'dynamic' (default with --fp16: dynamic)",
@@ -176,6 +178,9 @@ _HELP = {
               "would get too few CPU cores per GPU to keep up, else in the workers; the banner says what was "
               "chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
               "on the GPU)",
+    "on_data_change": "what a resume in the middle of an epoch does when the training data's order changed since "
+                      "its checkpoint (the image files, the shards, --seed, --shuffle-window): stop (default; exit "
+                      "2) or restart-epoch (train that epoch again from its start)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",

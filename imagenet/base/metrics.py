@@ -23,9 +23,11 @@ def topk_correct(output: torch.Tensor, target: torch.Tensor, ks=(1, 5)) -> torch
 
 
 class DeviceSums:
-    """Running float64 sums of (loss * n, correct@1, correct@5, n) kept on one device."""
+    """Running float64 sums of (loss * n, correct@1, correct@5, n) kept on one device, and the
+    count of unreadable images met: a mid-epoch checkpoint carries them all, so a resumed epoch
+    reports, and judges ``--max-bad-fraction`` on, the whole epoch."""
 
-    FIELDS = ("loss", "correct1", "correct5", "count")
+    FIELDS = ("loss", "correct1", "correct5", "count", "unreadable")
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
@@ -37,7 +39,11 @@ class DeviceSums:
         # new_full fills on the device: a host tensor copied in would stall the queue every step.
         batch = torch.cat([(loss.detach().to(torch.float64) * n).view(1), correct, correct.new_full((1,), n)])
         self.last = batch
-        self.sums += batch
+        self.sums.narrow(0, 0, 4).add_(batch)
+
+    def unreadable(self, n: int) -> None:
+        """``n`` images of a batch could not be read."""
+        self.sums.narrow(0, 4, 1).add_(n)
 
     def raw(self, ctx=None, reduce=None) -> list:
         """The sums themselves (over ranks when ``reduce`` is given); one host sync."""
@@ -51,7 +57,9 @@ class DeviceSums:
         return means(self.raw(ctx, reduce))
 
     def seed(self, values: list) -> None:
-        """Start from sums counted before (the first part of an epoch a resumed run continues)."""
+        """Start from sums counted before (the first part of an epoch a resumed run continues;
+        an older checkpoint's hold no unreadable count)."""
+        values = list(values) + [0.0] * (len(self.FIELDS) - len(values))
         self.sums += torch.tensor(values, dtype=torch.float64, device=self.sums.device)
 
     def last_batch(self) -> dict:
@@ -59,10 +67,14 @@ class DeviceSums:
 
 
 def means(values: list) -> dict:
-    loss, c1, c5, n = values
+    """:class:`DeviceSums`' sums as means, the counts as integers (``unreadable``: 0 in sums
+    written before they had it)."""
+    loss, c1, c5, n = values[:4]
+    unreadable = int(values[4]) if len(values) > 4 else 0
     if n == 0:
-        return {"loss": float("nan"), "acc1": 0.0, "acc5": 0.0, "count": 0}
-    return {"loss": loss / n, "acc1": 100.0 * c1 / n, "acc5": 100.0 * c5 / n, "count": int(n)}
+        return {"loss": float("nan"), "acc1": 0.0, "acc5": 0.0, "count": 0, "unreadable": unreadable}
+    return {"loss": loss / n, "acc1": 100.0 * c1 / n, "acc5": 100.0 * c5 / n, "count": int(n),
+            "unreadable": unreadable}
 
 
 class AverageMeter:

@@ -16,6 +16,7 @@
 * ``inputaccount`` -- where a ``--decode gpu`` batch's time goes, per stage, per epoch.
 * ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds
   (over tar shards: shards shuffled, then a window of them at a time).
+* ``dataorder`` -- what decides the training data's order, as a fingerprint checkpoints keep.
 * ``loaders`` -- datasets and loaders of a run, collation, per-process batch sizes.
 * ``prefetch`` -- the device loader: copies, normalisation and layout on the device, ahead;
   ``--decode gpu``'s decode thread.

@@ -32,6 +32,13 @@ class _SeededKeys(Sampler):
         """Skip the first ``samples_done`` samples of this rank's share of the epoch."""
         self.start = samples_done
 
+    def order_settings(self) -> dict:
+        """The settings of this sampler that decide which images an epoch's batches hold, beside
+        the dataset itself (:mod:`imagenet.data.dataorder`). Not the world size: rank r of w
+        takes positions r, r+w, ... of one global order, so the first k global batches hold the
+        same images for any world size with the same global batch."""
+        return {"seed": self.seed}
+
     def _keys(self, indices, ids):
         base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
         for idx, image_id in zip(indices, ids):
@@ -84,13 +91,19 @@ class ShardWindowSampler(_SeededKeys):
         super().__init__(seed)
         shard_of_row = np.asarray(shard_of_row, dtype=np.int64)
         self.ids = np.asarray(ids, dtype=np.int64)
-        self.world, self.rank = world_size, rank
+        self.world, self.rank, self.window = world_size, rank, window
         n_shards = int(shard_of_row.max()) + 1 if len(shard_of_row) else 1
         by_shard = np.argsort(shard_of_row, kind="stable")
         self.rows_of = np.split(by_shard, np.cumsum(np.bincount(shard_of_row, minlength=n_shards))[:-1])
         self.group = max(1, round(window * n_shards / max(len(self.ids), 1)))  # shards shuffled together
         # position p of a full shuffle is the row of the p-th smallest id: the folder's index p
         self.by_id = np.argsort(self.ids, kind="stable")
+
+    def order_settings(self) -> dict:
+        """The seed and how many shards are shuffled together (``--shuffle-window`` as it applies
+        to this set: every window at least the set's size is one full shuffle)."""
+        return {"seed": self.seed, "shuffle_window": self.window,
+                "shards_together": min(self.group, len(self.rows_of))}
 
     def epoch_order(self) -> np.ndarray:
         """Every row once, in this epoch's global order (40 ms for ImageNet's 1.28 M rows in 141 shards,

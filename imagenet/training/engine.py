@@ -139,6 +139,8 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         done = i + 1  # batches of this epoch consumed, the unreadable ones included
         last_micro = done % accum == 0
         skipped_paths += bad
+        if bad:
+            sums.unreadable(len(bad))
         waited = time.perf_counter() - end
         data_time.update(waited)
         rate.add(targets.numel(), waited)

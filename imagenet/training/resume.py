@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 
 from ..base import checkpoint as ckpt_io
 from ..base.errors import UserError
 from ..base.wrappers import strip_prefix, unwrap
+from ..data import dataorder
 from ..models.registry import fit_state_dict
 from .state import Progress, TrainState
 
@@ -21,9 +23,12 @@ RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "
                     "batch_size", "accum_steps", "scale_window")
 
 
-def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Progress:
+def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int,
+                data_order: Optional[dict] = None) -> Progress:
     """Load ``path`` into ``state`` (with ``-e``: the weights only) and this rank's RNG states;
-    returns the run's progress from it."""
+    returns the run's progress from it. ``data_order``: this run's training data fingerprint
+    (:func:`imagenet.data.dataorder.fingerprint`), checked against the checkpoint's before a
+    mid-epoch resume (``--on-data-change``)."""
     ckpt = ckpt_io.read_checkpoint(path)
     ckpt_io.require_keys(ckpt, path, ("state_dict", "optimizer", "epoch"))
     weights = strip_prefix(ckpt["state_dict"])
@@ -53,6 +58,8 @@ def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int) -> Pro
                        "--accum-steps %d the epoch restarts from its beginning", path, saved_batch, saved_accum,
                        cfg.batch_size, cfg.accum_steps)
         progress = progress.at_step(0, None)
+    if cfg.start_epoch is None:  # --start-epoch starts an epoch from its beginning anyway
+        progress = _check_data_order(ckpt, progress, path, cfg, data_order)
     logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, progress.epoch,
                 f", step {progress.step}" if progress.step else "", progress.best_acc1)
     return progress
@@ -70,6 +77,37 @@ def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int)
     if fc is not None and fc.shape[0] != num_classes:
         raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
                         "--resume continues the same run: to fine-tune from it use --weights")
+
+
+def _check_data_order(ckpt: dict, progress: Progress, path: str, cfg, now: Optional[dict]) -> Progress:
+    """Where the run continues, given what decides the data's order then and now: a checkpoint
+    taken mid-epoch continues after its step only with the order it was taken in (the images of
+    the epoch's first steps are the ones done); otherwise ``--on-data-change`` says what to do."""
+    if now is None:  # synthetic data: no order to keep
+        return progress
+    if "data_order" not in ckpt:
+        if progress.step:
+            logger.info("=> note: %s holds no record of the data's order (an older checkpoint): continuing epoch "
+                        "%d after step %d takes the data, --seed and --shuffle-window to be the ones it was "
+                        "written with", path, progress.epoch, progress.step)
+        return progress
+    saved = ckpt["data_order"]
+    changed = "; ".join(dataorder.changes(saved, now)) if saved is not None else ""
+    if not changed:
+        return progress
+    if not progress.step:
+        logger.info("=> note: the training data's order changed since %s was written (%s); epoch %d is trained "
+                    "from its start, every image of it once", path, changed, progress.epoch)
+        return progress
+    where = f"{path} was written in the middle of epoch {progress.epoch} (after step {progress.step})"
+    if cfg.on_data_change == "stop":
+        raise UserError(f"{where}, and the training data's order changed since ({changed}): continuing there would "
+                        "train some of the epoch's images twice and others not at all; resume with the data and "
+                        f"flags it was written with, or pass --on-data-change restart-epoch to train epoch "
+                        f"{progress.epoch} again from its start")
+    logger.warning("=> %s, and the training data's order changed since (%s): epoch %d restarts from its start "
+                   "(--on-data-change restart-epoch)", where, changed, progress.epoch)
+    return progress.at_step(0, None)
 
 
 def _restore_rng(ckpt: dict, ctx) -> None:

@@ -77,14 +77,17 @@ class RunLog:
             if self.board is not None:
                 self.board.write_epoch(record)
 
-    def skipped_images(self, epoch: int, paths: list, count: int) -> None:
-        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's."""
+    def skipped_images(self, epoch: int, paths: list, count: int, earlier: int = 0) -> None:
+        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's;
+        ``earlier``: of ``count``, those met before the epoch's mid-epoch resume (not in ``paths``)."""
         if not (count and self.active):
             return
         with open(self.skipped_path, "a") as fh:
             fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
-        logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s)", epoch, count,
-                       ", ".join(paths[:3]) or "on other ranks", self.skipped_path)
+        before = f"; {earlier} of them before the run resumed in this epoch, not listed" if earlier else ""
+        logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s%s)", epoch, count,
+                       ", ".join(paths[:3]) or ("before the resume" if earlier else "on other ranks"),
+                       self.skipped_path, before)
 
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
         """One epoch's metrics row, its TensorBoard scalars, and what its line should tell;

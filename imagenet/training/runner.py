@@ -31,6 +31,7 @@ from ..base.paths import default_cache_dir
 from ..base.processenv import ProcessEnv, set_process_env
 from ..base.torch_private import set_last_lr
 from ..base.wrappers import uncompiled, unwrap
+from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -204,6 +205,7 @@ class _Start:
     state: TrainState
     progress: Progress
     iters: int  # optimizer steps per epoch
+    data_order: Optional[dict] = None  # what decides the training data's order (data.dataorder), for checkpoints
 
 
 def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float, requested: Config) -> dict:
@@ -272,11 +274,12 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
     if cfg.evaluate and not (resume_path or cfg.weights or cfg.pretrained):
         raise UserError("-e/--evaluate needs weights to evaluate: give --resume CHECKPOINT, --weights PATH "
                         "or --pretrained" + (" (--resume auto found no checkpoint)" if cfg.resume else ""))
+    order = None if cfg.evaluate else dataorder.fingerprint(data.train, train_loader.sampler)
     if resume_path:
-        progress = resume_from(resume_path, cfg, ctx, state, len(data.classes))
+        progress = resume_from(resume_path, cfg, ctx, state, len(data.classes), order)
     if cfg.start_epoch is not None:
         progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
-    return _Start(data, train_loader, val_loader, state, progress, iters)
+    return _Start(data, train_loader, val_loader, state, progress, iters, order)
 
 
 def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
@@ -310,7 +313,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     """The recipe: per epoch, train (saving every --save-every-steps; a stop signal saves and
     ends the run), validate (and the weight average), save, report."""
     state, progress = start.state, start.progress
-    saver = CheckpointPolicy(cfg, ctx, start.data.classes)
+    saver = CheckpointPolicy(cfg, ctx, start.data.classes, start.data_order)
     log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
     run_start = time.perf_counter()
     first = _FirstStep(started, ctx, cfg.compile)
@@ -329,7 +332,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
-                                 len(start.data.train) + len(start.data.val))
+                                 len(start.data.train) + len(start.data.val), earlier=progress.unreadable)
         is_best = saver.is_best(val.acc1, progress)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
@@ -425,11 +428,13 @@ def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
     return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
 
 
-def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int) -> int:
-    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run."""
+def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int,
+                   earlier: int = 0) -> int:
+    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run.
+    ``paths``: this process's; ``earlier``: the training images counted before a mid-epoch resume."""
     count = torch.tensor([float(len(paths))], device=ctx.device)
-    count = int(distributed.all_reduce_sum(count, ctx).item())
-    log.skipped_images(epoch, paths, count)
+    count = int(distributed.all_reduce_sum(count, ctx).item()) + earlier
+    log.skipped_images(epoch, paths, count, earlier)
     if total_images and count / total_images > cfg.max_bad_fraction:
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")

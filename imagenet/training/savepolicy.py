@@ -2,7 +2,8 @@
 ``model_best.pth.tar`` (the file I/O itself is :mod:`imagenet.base.checkpoint`'s).
 
 A checkpoint is the training state's ``state_dict()``, the progress's, the RNG states of every
-rank, and the resolved config. Saves happen after each epoch (model_best too when the epoch
+rank, the resolved config, and what decides the training data's order
+(:func:`imagenet.data.dataorder.fingerprint`), which a mid-epoch resume checks. Saves happen after each epoch (model_best too when the epoch
 is the best so far), every ``--save-every-steps`` optimizer steps, and when a stop signal ends
 an epoch early. Every rank calls :meth:`CheckpointPolicy.save` (the RNG states are gathered
 from all of them); rank 0 writes. A ``--prof`` run saves nothing: it trains and validates a few
@@ -22,8 +23,8 @@ from .state import Progress, TrainState
 
 
 class CheckpointPolicy:
-    def __init__(self, cfg, ctx, classes: list):
-        self.cfg, self.ctx, self.classes = cfg, ctx, list(classes)
+    def __init__(self, cfg, ctx, classes: list, data_order: Optional[dict] = None):
+        self.cfg, self.ctx, self.classes, self.data_order = cfg, ctx, list(classes), data_order
         self.writes = cfg.prof < 0  # the same on every rank: none enters the gather below alone
 
     def save(self, state: TrainState, progress: Progress, is_best: bool = False) -> None:
@@ -42,6 +43,7 @@ class CheckpointPolicy:
             "rng": rng[0],
             "rng_per_rank": rng,
             "config": self.cfg.to_dict(),
+            "data_order": self.data_order,
         }
         ckpt_io.save_checkpoint(checkpoint, self.cfg.output_dir, is_best)
 

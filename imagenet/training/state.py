@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..base.errors import UserError
+from ..base.metrics import means
 from ..data.mixing import BatchMixer
 from ..models.registry import compile_model, create_model, load_weights_into, use_bn_kernels, use_stem_kernels
 from ..parallel import distributed
@@ -91,7 +92,8 @@ class TrainState:
 class Progress:
     """Where a run is: ``epoch`` is the epoch to run next (or to finish), ``step`` the loader
     batches of it already trained (mid-epoch checkpoints), ``sums`` the metric sums over all
-    ranks of those batches (``metrics.DeviceSums.raw``), so a resumed epoch reports all of it.
+    ranks of those batches (``metrics.DeviceSums.raw``, the unreadable images among them too), so
+    a resumed epoch reports all of it.
     ``record`` is the metrics row of the epoch before ``epoch``: saved with the checkpoint, so a
     run that died after the checkpoint but before writing the row still gets it on resume."""
 
@@ -100,6 +102,11 @@ class Progress:
     best_acc1: float = 0.0
     sums: Optional[list] = None
     record: Optional[dict] = None
+
+    @property
+    def unreadable(self) -> int:
+        """Unreadable training images of the part of the epoch done, all ranks (they ride in ``sums``)."""
+        return means(self.sums)["unreadable"] if self.sums else 0
 
     def at_step(self, step: int, sums: Optional[list]) -> "Progress":
         """This epoch, ``step`` batches in."""
