@@ -65,7 +65,7 @@ class Config:
     shuffle_window: int = 65536  # tar shards: images whose order is shuffled together (whole shards, shuffled);
     #                              at least the training set: a full shuffle, the order of a folder run
     cache_dir: Optional[str] = None  # where the built-in dataset is exported and shards behind a URL are copied
-    max_bad_fraction: float = 0.01  # stop if more than this fraction of an epoch's images is unreadable
+    max_bad_fraction: float = 0.01  # the largest share of an epoch's images that may be unreadable; more stops
 
     # -- model ------------------------------------------------------------------------------
     arch: str = "resnet18"
@@ -176,6 +176,9 @@ _HELP = {
               "would get too few CPU cores per GPU to keep up, else in the workers; the banner says what was "
               "chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
               "on the GPU)",
+    "max_bad_fraction": "the largest share of an epoch's images that may be unreadable (skipped and counted): "
+                        "exactly this share goes on, more stops the run; 0 stops at the first, 1 never (default "
+                        "0.01)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",

@@ -418,12 +418,21 @@ def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
     return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
 
 
+def exceeds_bad_fraction(count: int, total: int, limit: float) -> bool:
+    """Whether ``count`` unreadable images of ``total`` are more than ``--max-bad-fraction limit``
+    tolerates. The limit is the largest share allowed: exactly at it the run goes on (0 allows
+    none, 1 never stops). ``count / total`` rounds to the same float as a decimal limit of the
+    same value (7 of 100 at 0.07), where ``count > limit * total`` would not (0.29 * 100 is
+    28.999999999999996, so 29 of 100 would stop at 0.29)."""
+    return total > 0 and count / total > limit
+
+
 def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int) -> int:
     """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run."""
     count = torch.tensor([float(len(paths))], device=ctx.device)
     count = int(distributed.all_reduce_sum(count, ctx).item())
     log.skipped_images(epoch, paths, count)
-    if total_images and count / total_images > cfg.max_bad_fraction:
+    if exceeds_bad_fraction(count, total_images, cfg.max_bad_fraction):
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
     return count
