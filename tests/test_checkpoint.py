@@ -692,19 +692,24 @@ def test_model_best_written_even_when_accuracy_is_zero(data_root, tmp_path, monk
     assert (out / BEST).is_file()
 
 
-def test_prof_leaves_no_checkpoint_to_resume(data_root, tmp_path):
+def test_prof_leaves_no_checkpoint_to_resume_and_no_metrics_row(data_root, tmp_path):
     """A --prof run trains and validates a few batches of one epoch: a checkpoint of it would say
     the epoch was done (and model_best that a few batches were the best), so --resume auto or an
-    elastic restart in that folder would skip the epoch. It writes none, and says so."""
+    elastic restart in that folder would skip the epoch. It writes none, and says so; its row
+    goes to prof.jsonl, so the later run's metrics.jsonl has one epoch 0, its own."""
     res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 3, "--prof", 2))
     assert res.rc == 0, res.err[-2000:]
-    assert "no checkpoint is written" in res.out
+    assert "no checkpoint is written, and the epoch's row goes to prof.jsonl" in res.out
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".pth.tar")]
+    assert not (tmp_path / METRICS).exists()
+    profiled = [json.loads(line) for line in open(tmp_path / "prof.jsonl")]
+    assert [r["epoch"] for r in profiled] == [0] and profiled[0]["steps"] == 2
     res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 1, "--resume", "auto"))
     assert res.rc == 0, res.err[-2000:]
     assert "starting fresh" in res.out and "Epoch: [0][" in res.out
     best, last = load(tmp_path / BEST), load(tmp_path / CKPT)
     assert best["epoch"] == last["epoch"] == 1
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0]
     assert best["best_acc1"] == metrics(tmp_path)[-1]["val_acc1"]  # the whole epoch's, not 2 batches'
 
 

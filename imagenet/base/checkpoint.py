@@ -6,9 +6,10 @@ then renamed over the old file: a crash at any moment leaves either the old or t
 checkpoint, never a torn one; ``model_best.pth.tar``, when the latest epoch is the best, is a
 copy of that file's bytes, made and renamed into place the same way (a file of its own, so a
 user who rewrites it in place, e.g. to strip the optimizer for release, leaves the resumable
-checkpoint alone). The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``, so a latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one
-to fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads
-a flipped byte without complaint) and takes the newest intact one.
+checkpoint alone). The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``, so a
+latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one to
+fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads a
+flipped byte without complaint) and takes the newest intact one.
 """
 
 from __future__ import annotations

@@ -179,7 +179,8 @@ _HELP = {
     "max_bad_fraction": "the largest share of an epoch's images that may be unreadable (skipped and counted): "
                         "exactly this share goes on, more stops the run; 0 stops at the first, 1 never (default "
                         "0.01)",
-    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
+    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint, and its "
+            "row goes to OUTPUT_DIR/prof.jsonl, not metrics.jsonl",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }

@@ -2,7 +2,11 @@
 resolved recipe, reusable as ``--config``), ``metrics.jsonl`` (one :class:`metrics.EpochRecord`
 per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, and the lines
 that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
-run's end. :func:`input_hint` says which stage an input-bound epoch waited for."""
+run's end. :func:`input_hint` says which stage an input-bound epoch waited for.
+
+A ``--prof`` run's row goes to ``prof.jsonl`` instead, and it adds no TensorBoard scalars and no
+``skipped_images.txt`` lines: those are the folder's history of finished epochs, and a later run
+there would find in them an epoch 0 that a few batches stood for."""
 
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ class RunLog:
         self.cfg, self.ctx = cfg, ctx
         self.requested = requested if requested is not None else cfg
         self.active = ctx.is_main
-        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.history = self.active and cfg.prof < 0  # what this run writes joins the folder's epochs
+        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl" if cfg.prof < 0 else "prof.jsonl")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
-        self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.active else None
+        self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.history else None
 
     def __enter__(self) -> "RunLog":
         if self.active:
@@ -58,7 +63,7 @@ class RunLog:
     def catch_up(self, record: Optional[dict]) -> None:
         """Write ``record`` (the last finished epoch's row, from the checkpoint resumed) if
         metrics.jsonl lacks it: the run stopped between the checkpoint and the row."""
-        if not (self.active and record):
+        if not (self.history and record):
             return
         epochs = set()
         if os.path.exists(self.metrics_path):
@@ -76,14 +81,16 @@ class RunLog:
         """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's."""
         if not (count and self.active):
             return
-        with open(self.skipped_path, "a") as fh:
-            fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
+        if self.history:
+            with open(self.skipped_path, "a") as fh:
+                fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s)", epoch, count,
-                       ", ".join(paths[:3]) or "on other ranks", self.skipped_path)
+                       ", ".join(paths[:3]) or "on other ranks",
+                       self.skipped_path if self.history else "none under --prof")
 
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
-        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell;
-        ``stages``: the ``--decode gpu`` input account of its training batches, this process's
+        """One epoch's metrics row (``--prof``: in prof.jsonl), its TensorBoard scalars, and what its
+        line should tell; ``stages``: the ``--decode gpu`` input account of its training batches, this process's
         (:mod:`imagenet.data.inputaccount`), which names the stage an input-bound epoch waited for."""
         if not self.active:
             return
