@@ -137,6 +137,10 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
     this process's workers, ``processes``: the training processes sharing this machine."""
     workers = f"{cfg.workers} data worker{'' if cfg.workers == 1 else 's'}"
     here = "here" if processes == 1 else f"a process here ({processes} processes)"
+    if cfg.workers == 0:
+        every_cpu = f"the training process, loading its own batches (-j 0), already has every CPU {here}"
+    else:
+        every_cpu = f"the {workers} already {'has' if cfg.workers == 1 else 'have'} every CPU {here}"
     more = f"more data workers (-j, now {cfg.workers}; {cpus} CPUs {here})" if cfg.workers < cpus - 1 else ""
     if cfg.decode == "gpu" and stages:
         g = stages.get
@@ -169,7 +173,7 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
         return (f"the CPU workers were the limit: the GPU decoding stage waited {g('starved', 0):.0f} ms a batch for "
                 f"the {workers} ({work:.0f} ms of work a batch each: reading {g('read', 0):.0f}, headers and crop "
                 f"draws {g('parse', 0):.0f}, CPU fallbacks {g('fallback', 0):.0f}); "
-                + (f"try {more}" if more else f"the {workers} already have every CPU {here}"))
+                + (f"try {more}" if more else every_cpu))
     tips = [more] if more else []
     if cuda and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
             and cfg.auto_augment == "none" and cfg.random_erase == 0:
@@ -180,5 +184,5 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
         tips.append("dropping --no-jpeg-draft")
     limit = "" if cfg.dummy else "the CPU workers (decoding) were the limit: "
     if not tips:
-        return f"{limit}the {workers} already have every CPU {here}: this machine's input rate is the limit"
+        return f"{limit}{every_cpu}: this machine's input rate is the limit"
     return limit + "try " + ", ".join(tips)
