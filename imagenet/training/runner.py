@@ -36,7 +36,7 @@ from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
-from .defaults import Machine, SpeedPlan, compile_cache_dir, resolve
+from .defaults import Machine, SpeedPlan, compile_cache_dir, resolve, usable_cpus
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
@@ -132,6 +132,11 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 val.resize, f" ({val.source}; --val-resize overrides)" if val.source else "")
     logger.info("=> input: %s%s", data.pipeline,
                 "" if cfg.dummy else f"; {cfg.workers} worker{'' if cfg.workers == 1 else 's'}")
+    cpus = usable_cpus()
+    if not cfg.dummy and cfg.workers > cpus:  # what torch warns of at every loader and epoch, said once
+        logger.info("=> note: -j %d asks for more data workers than the %d CPU core%s this process may use: all %d "
+                    "run, taking turns on %s (-j %d or fewer gives each a core of its own)", cfg.workers, cpus,
+                    "" if cpus == 1 else "s", cfg.workers, "it" if cpus == 1 else "them", cpus)
     logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
