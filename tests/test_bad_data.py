@@ -438,3 +438,46 @@ def test_cli_survives_a_batch_left_with_one_readable_image(cli):
     rec = json.loads((cli.outs["one-survivor"] / "metrics.jsonl").read_text().splitlines()[0])
     # the lone readable image is not trained on: a batch of one cannot give BatchNorm statistics
     assert rec["skipped_images"] == 4 and rec["train_samples"] == 0 and rec["val_samples"] == 2, rec
+
+
+# ------------------------------------------------------------------- --max-bad-fraction's boundary
+
+
+@pytest.mark.parametrize("count, total, limit, stops", [
+    (1, 100, 0.01, False), (2, 100, 0.01, True),  # the default: exactly 1% goes on, more stops
+    (29, 100, 0.29, False), (30, 100, 0.29, True),  # where limit * total rounds below the count
+    (7, 100, 0.07, False), (1, 3, 1 / 3, False), (1, 3, 0.333, True),
+    (0, 10, 0.0, False), (1, 10, 0.0, True),  # 0: none allowed
+    (10, 10, 1.0, False), (0, 0, 0.0, False),  # 1: never stops; an empty epoch judges nothing
+])
+def test_max_bad_fraction_is_the_largest_share_that_goes_on(count, total, limit, stops):
+    from imagenet.training.runner import exceeds_bad_fraction
+    assert exceeds_bad_fraction(count, total, limit) is stops
+
+
+@pytest.mark.parametrize("bad, stops", [(5, False), (6, True)], ids=["at-the-limit", "just-above"])
+def test_an_epoch_at_the_limit_goes_on_and_one_image_more_stops(tmp_path, bad, stops):
+    from imagenet.base.errors import UserError
+    from imagenet.training.runlog import RunLog
+    from imagenet.training.runner import _count_skipped
+    cfg = Config(output_dir=str(tmp_path), max_bad_fraction=0.05)
+    ctx = SimpleNamespace(is_main=True, device=torch.device("cpu"), distributed=False)
+    paths = [f"/data/train/a/{i}.JPEG" for i in range(bad)]
+    with RunLog(cfg, ctx) as log:
+        if stops:
+            with pytest.raises(UserError, match="6 of 100 images could not be read in epoch 0, more than "
+                                                "--max-bad-fraction 0.05"):
+                _count_skipped(cfg, ctx, log, paths, 0, 100)
+        else:
+            assert _count_skipped(cfg, ctx, log, paths, 0, 100) == 5
+    assert len((tmp_path / "skipped_images.txt").read_text().splitlines()) == bad  # listed either way
+
+
+def test_the_help_says_what_max_bad_fraction_allows():
+    from imagenet.base.config import build_parser
+    action = next(a for a in build_parser()._actions if "--max-bad-fraction" in a.option_strings)
+    assert action.help and "largest share" in action.help and "exactly this share goes on" in action.help
+    for doc in ("OPTIONS.md", "INPUT.md"):
+        text = " ".join((REPO / "docs" / doc).read_text().split())
+        assert "largest share of an epoch's images that may be unreadable" in text, doc
+        assert "exactly th" in text.split("--max-bad-fraction", 1)[1][:400], doc

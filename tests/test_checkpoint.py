@@ -204,19 +204,60 @@ def test_model_best_matches_checkpoint_after_a_best_epoch(base_run):
     best, last = load(base_run.dir / BEST), load(base_run.dir / CKPT)
     assert best["epoch"] == last["epoch"] == 1
     assert_same_tensors(best["state_dict"], last["state_dict"], "model_best vs checkpoint")
-    assert os.path.samefile(base_run.dir / BEST, base_run.dir / CKPT)  # one file on disk, two names
+    assert (base_run.dir / BEST).read_bytes() == (base_run.dir / CKPT).read_bytes()  # the same bytes ...
+    assert os.stat(base_run.dir / BEST).st_ino != os.stat(base_run.dir / CKPT).st_ino  # ... in a file of its own
 
 
-def test_model_best_is_a_hard_link_that_the_next_checkpoint_leaves_alone(tmp_path):
+def test_model_best_is_a_copy_that_the_next_checkpoint_leaves_alone(tmp_path):
     ckpt_io.save_checkpoint({"epoch": 1}, str(tmp_path), is_best=True)
-    assert os.path.samefile(tmp_path / BEST, tmp_path / CKPT)
+    assert not os.path.samefile(tmp_path / BEST, tmp_path / CKPT)
+    assert (tmp_path / BEST).read_bytes() == (tmp_path / CKPT).read_bytes()
     inode = os.stat(tmp_path / BEST).st_ino
     ckpt_io.save_checkpoint({"epoch": 2}, str(tmp_path), is_best=False)  # a worse epoch
     assert os.stat(tmp_path / BEST).st_ino == inode and load(tmp_path / BEST) == {"epoch": 1}
     assert load(tmp_path / CKPT) == {"epoch": 2}
+    assert not os.path.samefile(tmp_path / BEST, tmp_path / ckpt_io.PREVIOUS)
     ckpt_io.save_checkpoint({"epoch": 3}, str(tmp_path), is_best=True)
-    assert os.path.samefile(tmp_path / BEST, tmp_path / CKPT) and load(tmp_path / BEST) == {"epoch": 3}
+    assert not os.path.samefile(tmp_path / BEST, tmp_path / CKPT) and load(tmp_path / BEST) == {"epoch": 3}
     assert leftovers(tmp_path) == []
+
+
+def _full_checkpoint(epoch: int) -> dict:
+    return {"state_dict": {"w": torch.full((4,), float(epoch))}, "optimizer": {"state": {}, "param_groups": []},
+            "scheduler": {"last_epoch": epoch}, "epoch": epoch, "best_acc1": 50.0, "rng": {}, "config": {},
+            "arch": "resnet18"}
+
+
+def test_rewriting_model_best_in_place_leaves_the_resumable_checkpoint_alone(tmp_path):
+    """People strip the optimizer from model_best for a release, writing over the file in place
+    (torch.save to its name opens it for writing: the same inode); --resume auto must still find
+    the full checkpoint."""
+    ckpt_io.save_checkpoint(_full_checkpoint(1), str(tmp_path), is_best=True)
+    release = {"state_dict": load(tmp_path / BEST)["state_dict"]}
+    inode = os.stat(tmp_path / BEST).st_ino
+    with open(tmp_path / BEST, "r+b") as fh:  # in place: the same file, truncated and written again
+        fh.truncate(0)
+        torch.save(release, fh)
+    assert os.stat(tmp_path / BEST).st_ino == inode and load(tmp_path / BEST).keys() == {"state_dict"}
+    path = ckpt_io.resolve_resume("auto", str(tmp_path))
+    assert path == str(tmp_path / CKPT)
+    resumed = ckpt_io.read_checkpoint(path)
+    ckpt_io.require_keys(resumed, path, ("state_dict", "optimizer", "epoch"))
+    assert resumed["epoch"] == 1 and resumed["scheduler"] == {"last_epoch": 1}
+    assert os.stat(tmp_path / BEST).st_ino != os.stat(tmp_path / CKPT).st_ino
+
+
+def test_a_model_best_left_as_a_hard_link_gets_a_file_of_its_own(tmp_path):
+    """A folder written when model_best was a hard link to the checkpoint: the next save (a worse
+    epoch, which keeps model_best) parts the two, so neither the checkpoint nor the one before it
+    shares model_best's storage."""
+    ckpt_io.save_checkpoint({"epoch": 1}, str(tmp_path), is_best=False)
+    os.link(tmp_path / CKPT, tmp_path / BEST)  # what the older trainer left
+    ckpt_io.save_checkpoint({"epoch": 2}, str(tmp_path), is_best=False)
+    assert load(tmp_path / BEST) == {"epoch": 1} and load(tmp_path / CKPT) == {"epoch": 2}
+    assert load(tmp_path / ckpt_io.PREVIOUS) == {"epoch": 1}
+    inodes = {os.stat(tmp_path / name).st_ino for name in (BEST, CKPT, ckpt_io.PREVIOUS)}
+    assert len(inodes) == 3 and leftovers(tmp_path) == []
 
 
 def _no_hard_links(monkeypatch):
@@ -225,12 +266,13 @@ def _no_hard_links(monkeypatch):
     monkeypatch.setattr(ckpt_io.os, "link", link)
 
 
-def test_model_best_is_a_copy_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+def test_saves_work_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
     _no_hard_links(monkeypatch)
     ckpt_io.save_checkpoint({"epoch": 1}, str(tmp_path), is_best=True)
     ckpt_io.save_checkpoint({"epoch": 2}, str(tmp_path), is_best=False)
     assert not os.path.samefile(tmp_path / BEST, tmp_path / CKPT)
     assert load(tmp_path / BEST) == {"epoch": 1} and load(tmp_path / CKPT) == {"epoch": 2}
+    assert load(tmp_path / ckpt_io.PREVIOUS) == {"epoch": 1}  # a copy of the checkpoint before
     assert leftovers(tmp_path) == []
 
 
@@ -650,19 +692,24 @@ def test_model_best_written_even_when_accuracy_is_zero(data_root, tmp_path, monk
     assert (out / BEST).is_file()
 
 
-def test_prof_leaves_no_checkpoint_to_resume(data_root, tmp_path):
+def test_prof_leaves_no_checkpoint_to_resume_and_no_metrics_row(data_root, tmp_path):
     """A --prof run trains and validates a few batches of one epoch: a checkpoint of it would say
     the epoch was done (and model_best that a few batches were the best), so --resume auto or an
-    elastic restart in that folder would skip the epoch. It writes none, and says so."""
+    elastic restart in that folder would skip the epoch. It writes none, and says so; its row
+    goes to prof.jsonl, so the later run's metrics.jsonl has one epoch 0, its own."""
     res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 3, "--prof", 2))
     assert res.rc == 0, res.err[-2000:]
-    assert "no checkpoint is written" in res.out
+    assert "no checkpoint is written, and the epoch's row goes to prof.jsonl" in res.out
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".pth.tar")]
+    assert not (tmp_path / METRICS).exists()
+    profiled = [json.loads(line) for line in open(tmp_path / "prof.jsonl")]
+    assert [r["epoch"] for r in profiled] == [0] and profiled[0]["steps"] == 2
     res = run_captured(trainer_args(data_root, tmp_path, "--epochs", 1, "--resume", "auto"))
     assert res.rc == 0, res.err[-2000:]
     assert "starting fresh" in res.out and "Epoch: [0][" in res.out
     best, last = load(tmp_path / BEST), load(tmp_path / CKPT)
     assert best["epoch"] == last["epoch"] == 1
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0]
     assert best["best_acc1"] == metrics(tmp_path)[-1]["val_acc1"]  # the whole epoch's, not 2 batches'
 
 

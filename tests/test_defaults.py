@@ -245,3 +245,23 @@ def test_decode_auto_on_a_cpu_run_is_resolved_in_the_config_and_the_banner(digit
     out = capsys.readouterr().out
     assert "--decode auto" not in out and "workers decode" in out, out  # the default, said as the pipeline line says it
     assert "decode: cpu" in (tmp_path / "config.yaml").read_text().splitlines()[1]  # the decisions line
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_more_workers_than_cores_get_one_banner_line_and_no_torch_warning(digits, tmp_path, capsys, monkeypatch):
+    """torch's DataLoader warns of -j above the usable cores at each loader it builds and each
+    start of its workers (three times in the demo on a 2-core machine); the banner says it once."""
+    import os
+    import warnings
+
+    from imagenet.cli import main
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # this process may use one core
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([digits, "-a", "resnet18", "--epochs", "1", "--prof", "1", "-b", "8", "-j", "2",
+                     "--image-size", "16", "--val-resize", "16", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "data workers than" in line]
+    assert notes == ["=> note: -j 2 asks for more data workers than the 1 CPU core this process may use: all 2 run, "
+                     "taking turns on it (-j 1 or fewer gives each a core of its own)"], out
+    assert not [w for w in caught if "worker processes in total" in str(w.message)], [str(w.message) for w in caught]

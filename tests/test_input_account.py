@@ -153,3 +153,14 @@ def test_an_epoch_of_gpu_decoding_logs_its_stages_and_names_the_stage_it_waited_
     assert "the training loop waited for data 30% of its steady time" in text
     assert "input-bound" in text and "the GPU decoding stage was the limit" in text
     assert "already have every CPU" not in text
+
+
+@pytest.mark.parametrize("workers, cpus, says", [
+    (1, 2, "the 1 data worker already has every CPU here"),
+    (2, 2, "the 2 data workers already have every CPU here"),
+    (0, 1, "the training process, loading its own batches (-j 0), already has every CPU here"),
+])
+def test_the_workers_that_have_every_cpu_are_named_in_good_grammar(workers, cpus, says):
+    assert hint(WORKERS_SLOW, workers=workers, cpus=cpus).endswith(says)
+    assert hint(None, workers=workers, cpus=cpus, decode="cpu", auto_augment="randaugment").endswith(
+        says + ": this machine's input rate is the limit")

@@ -57,3 +57,26 @@ def test_summary_counts_the_epochs_that_ran_under_prof(digits, tmp_path):
                                     "--val-resize", "16", "--epochs", "5", "--prof", "2",
                                     "--output-dir", str(tmp_path)]))
     assert summary["epochs_run"] == 1
+
+
+def test_a_prof_run_adds_nothing_to_the_folders_history(tmp_path):
+    """metrics.jsonl, skipped_images.txt and the TensorBoard scalars hold the folder's finished
+    epochs: a --prof run's few batches go to prof.jsonl, so a later run there has one epoch 0."""
+    import types
+
+    import torch
+
+    from imagenet.base.config import Config
+    from imagenet.training.runlog import RunLog
+    ctx = types.SimpleNamespace(is_main=True, device=torch.device("cpu"), distributed=False)
+    train = types.SimpleNamespace(skipped_steps=0, steps=2, data_wait_frac=0.0, img_per_s=100.0)
+    for prof, epoch in ((2, 0), (-1, 0), (-1, 1)):  # profiled, then a real run of two epochs
+        with RunLog(Config(output_dir=str(tmp_path), prof=prof), ctx) as log:
+            log.skipped_images(epoch, ["/data/train/a/bad.JPEG"], 1)
+            log.catch_up({"epoch": 7})  # a checkpoint's row that metrics.jsonl lacks: a --prof run leaves it
+            log.epoch({"epoch": epoch, "prof": prof}, train, None)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["epoch"], r.get("prof")) for r in rows] == [(7, None), (0, -1), (1, -1)]
+    assert [json.loads(line) for line in open(tmp_path / "prof.jsonl")] == [{"epoch": 0, "prof": 2}]
+    assert (tmp_path / "skipped_images.txt").read_text().splitlines() == [
+        "epoch 0\t/data/train/a/bad.JPEG", "epoch 1\t/data/train/a/bad.JPEG"]

@@ -4,10 +4,12 @@ A checkpoint is a plain dict of tensors and Python primitives, so it loads witho
 arbitrary objects. Writes go to a temporary file in the same folder, are flushed to disk, and
 then renamed over the old file: a crash at any moment leaves either the old or the new
 checkpoint, never a torn one; ``model_best.pth.tar``, when the latest epoch is the best, is a
-hard link to that file, made and renamed into place the same way. The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``,
-so a latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one
-to fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads
-a flipped byte without complaint) and takes the newest intact one.
+copy of that file's bytes, made and renamed into place the same way (a file of its own, so a
+user who rewrites it in place, e.g. to strip the optimizer for release, leaves the resumable
+checkpoint alone). The checkpoint it replaces stays on as ``checkpoint.prev.pth.tar``, so a
+latest file damaged afterwards (a truncated copy, a disk or file system fault) still has one to
+fall back to: :func:`resolve_resume` checks each candidate's zip CRCs (torch.load itself reads a
+flipped byte without complaint) and takes the newest intact one.
 """
 
 from __future__ import annotations
@@ -72,16 +74,15 @@ def atomic_save(obj: dict, path: str, previous: Optional[str] = None) -> None:
     _fsync_folder(folder)  # make the renames themselves durable
 
 
-def _keep_as(path: str, previous: str) -> None:
-    """Make ``previous`` a second name (or a copy) of ``path``, atomically; ``path`` stays."""
+def _keep_as(path: str, previous: str, link: bool = True) -> None:
+    """Make ``previous`` a second name of ``path`` (a copy of its bytes where the file system has
+    no hard links, or with ``link=False``), atomically; ``path`` stays."""
     folder = os.path.dirname(os.path.abspath(previous))
     prefix = ".tmp-" + os.path.basename(previous) + "."
     _remove_stale(folder, prefix)
     tmp = os.path.join(folder, f"{prefix}{os.getpid()}")
     try:
-        try:
-            os.link(path, tmp)
-        except OSError:  # no hard links on this file system (some network and FUSE mounts)
+        if not (link and _hard_link(path, tmp)):
             shutil.copyfile(path, tmp)
             _fsync_file(tmp)  # the bytes on disk before the name: a crash leaves the old file or this one
         os.replace(tmp, previous)
@@ -89,6 +90,16 @@ def _keep_as(path: str, previous: str) -> None:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _hard_link(path: str, name: str) -> bool:
+    """Whether ``name`` could be made a second name of ``path`` (some network and FUSE mounts
+    have no hard links)."""
+    try:
+        os.link(path, name)
+        return True
+    except OSError:
+        return False
 
 
 def _fsync_file(path: str) -> None:
@@ -114,15 +125,19 @@ def save_checkpoint(state: dict, output_dir: str, is_best: bool) -> str:
     """Write ``checkpoint.pth.tar`` (and ``model_best.pth.tar`` when ``is_best``); the checkpoint
     it replaces becomes ``checkpoint.prev.pth.tar``.
 
-    ``model_best.pth.tar`` is a second name of the checkpoint file just written (a copy where the
-    file system has no hard links), not a second copy of its bytes. Nothing rewrites a checkpoint
-    file in place: the next save gives the name ``checkpoint.pth.tar`` to a new file, so the
-    file model_best names keeps its content."""
+    ``model_best.pth.tar`` is a copy of the checkpoint file just written, read back from it (one
+    more write, only when the best improves), never a second name of it: people rewrite
+    model_best in place (to strip the optimizer for a release), and a hard link would rewrite the
+    checkpoint that ``--resume auto`` reads. A model_best that is still such a link (a folder
+    written by an older version of the trainer) gets a file of its own before the next save."""
     path = os.path.join(output_dir, CHECKPOINT)
+    best = os.path.join(output_dir, BEST)
     try:
+        if not is_best and os.path.isfile(best) and os.path.isfile(path) and os.path.samefile(best, path):
+            _keep_as(best, best, link=False)
         atomic_save(state, path, previous=os.path.join(output_dir, PREVIOUS))
         if is_best:
-            _keep_as(path, os.path.join(output_dir, BEST))
+            _keep_as(path, best, link=False)
             _fsync_folder(output_dir)
     except (OSError, RuntimeError) as e:
         # torch.save reports a full disk as a RuntimeError from its zip writer, the OSError inside.

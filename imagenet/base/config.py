@@ -65,7 +65,7 @@ class Config:
     shuffle_window: int = 65536  # tar shards: images whose order is shuffled together (whole shards, shuffled);
     #                              at least the training set: a full shuffle, the order of a folder run
     cache_dir: Optional[str] = None  # where the built-in dataset is exported and shards behind a URL are copied
-    max_bad_fraction: float = 0.01  # stop if more than this fraction of an epoch's images is unreadable
+    max_bad_fraction: float = 0.01  # the largest share of an epoch's images that may be unreadable; more stops
 
     # -- model ------------------------------------------------------------------------------
     arch: str = "resnet18"
@@ -174,14 +174,18 @@ _HELP = {
     "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
                      "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
                      "decodes at full scale, as torchvision does",
-    "decode": "where training and validation JPEGs are decoded: auto (default: on the GPU where the workers "
-              "would get too few CPU cores per GPU to keep up, else in the workers; the banner says what was "
-              "chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
+    "decode": "where training and validation JPEGs are decoded: auto (default: on the GPU where the images are "
+              "JPEGs and each process trains one GPU; under DataParallel only with fewer than 12 workers per GPU; "
+              "else in the workers; the banner says what was chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
               "on the GPU)",
     "on_data_change": "what a resume in the middle of an epoch does when the training data's order changed since "
                       "its checkpoint (the image files, the shards, --seed, --shuffle-window): stop (default; exit "
                       "2) or restart-epoch (train that epoch again from its start)",
-    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint",
+    "max_bad_fraction": "the largest share of an epoch's images that may be unreadable (skipped and counted): "
+                        "exactly this share goes on, more stops the run; 0 stops at the first, 1 never (default "
+                        "0.01)",
+    "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint, and its "
+            "row goes to OUTPUT_DIR/prof.jsonl, not metrics.jsonl",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }

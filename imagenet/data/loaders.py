@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -203,6 +204,10 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     else:
         train_sampler = SeededSampler(data.train, world, rank, seed)
         val_sampler = ShardSampler(len(data.val), rank, world)
+    # torch warns when -j is above the CPU cores this process may use, once for each loader built
+    # and each time one starts its workers; the banner says it once, with the flag.
+    warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
+                            category=UserWarning)
     common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_for(ctx.device), persistent_workers=cfg.workers > 0,
                   worker_init_fn=worker_signals if cfg.workers > 0 else None)

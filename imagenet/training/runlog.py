@@ -2,7 +2,11 @@
 resolved recipe, reusable as ``--config``), ``metrics.jsonl`` (one :class:`metrics.EpochRecord`
 per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, and the lines
 that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
-run's end. :func:`input_hint` says which stage an input-bound epoch waited for."""
+run's end. :func:`input_hint` says which stage an input-bound epoch waited for.
+
+A ``--prof`` run's row goes to ``prof.jsonl`` instead, and it adds no TensorBoard scalars and no
+``skipped_images.txt`` lines: those are the folder's history of finished epochs, and a later run
+there would find in them an epoch 0 that a few batches stood for."""
 
 from __future__ import annotations
 
@@ -37,9 +41,10 @@ class RunLog:
         self.requested = requested if requested is not None else cfg
         self.environment = tuple(environment)
         self.active = ctx.is_main
-        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.history = self.active and cfg.prof < 0  # what this run writes joins the folder's epochs
+        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl" if cfg.prof < 0 else "prof.jsonl")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
-        self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.active else None
+        self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.history else None
 
     def __enter__(self) -> "RunLog":
         if self.active:
@@ -63,7 +68,7 @@ class RunLog:
     def catch_up(self, record: Optional[dict]) -> None:
         """Write ``record`` (the last finished epoch's row, from the checkpoint resumed) if
         metrics.jsonl lacks it: the run stopped between the checkpoint and the row."""
-        if not (self.active and record):
+        if not (self.history and record):
             return
         epochs = set()
         if os.path.exists(self.metrics_path):
@@ -82,16 +87,17 @@ class RunLog:
         ``earlier``: of ``count``, those met before the epoch's mid-epoch resume (not in ``paths``)."""
         if not (count and self.active):
             return
-        with open(self.skipped_path, "a") as fh:
-            fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
+        if self.history:
+            with open(self.skipped_path, "a") as fh:
+                fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
         before = f"; {earlier} of them before the run resumed in this epoch, not listed" if earlier else ""
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s%s)", epoch, count,
                        ", ".join(paths[:3]) or ("before the resume" if earlier else "on other ranks"),
-                       self.skipped_path, before)
+                       self.skipped_path if self.history else "none under --prof", before)
 
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
-        """One epoch's metrics row, its TensorBoard scalars, and what its line should tell;
-        ``stages``: the ``--decode gpu`` input account of its training batches, this process's
+        """One epoch's metrics row (``--prof``: in prof.jsonl), its TensorBoard scalars, and what its
+        line should tell; ``stages``: the ``--decode gpu`` input account of its training batches, this process's
         (:mod:`imagenet.data.inputaccount`), which names the stage an input-bound epoch waited for."""
         if not self.active:
             return
@@ -138,6 +144,10 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
     this process's workers, ``processes``: the training processes sharing this machine."""
     workers = f"{cfg.workers} data worker{'' if cfg.workers == 1 else 's'}"
     here = "here" if processes == 1 else f"a process here ({processes} processes)"
+    if cfg.workers == 0:
+        every_cpu = f"the training process, loading its own batches (-j 0), already has every CPU {here}"
+    else:
+        every_cpu = f"the {workers} already {'has' if cfg.workers == 1 else 'have'} every CPU {here}"
     more = f"more data workers (-j, now {cfg.workers}; {cpus} CPUs {here})" if cfg.workers < cpus - 1 else ""
     if cfg.decode == "gpu" and stages:
         g = stages.get
@@ -168,7 +178,7 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
         return (f"the CPU workers were the limit: the GPU decoding stage waited {g('starved', 0):.0f} ms a batch for "
                 f"the {workers} ({work:.0f} ms of work a batch each: reading {g('read', 0):.0f}, headers and crop "
                 f"draws {g('parse', 0):.0f}, CPU fallbacks {g('fallback', 0):.0f}); "
-                + (f"try {more}" if more else f"the {workers} already have every CPU {here}"))
+                + (f"try {more}" if more else every_cpu))
     tips = [more] if more else []
     if cuda and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \
             and cfg.auto_augment == "none" and cfg.random_erase == 0:
@@ -179,5 +189,5 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
         tips.append("dropping --no-jpeg-draft")
     limit = "" if cfg.dummy else "the CPU workers (decoding) were the limit: "
     if not tips:
-        return f"{limit}the {workers} already have every CPU {here}: this machine's input rate is the limit"
+        return f"{limit}{every_cpu}: this machine's input rate is the limit"
     return limit + "try " + ", ".join(tips)

@@ -39,7 +39,7 @@ from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
-from .defaults import Machine, SpeedPlan, resolve, with_environment
+from .defaults import Machine, SpeedPlan, resolve, usable_cpus, with_environment
 from .engine import LoopOptions, Steady, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
@@ -136,6 +136,11 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 val.resize, f" ({val.source}; --val-resize overrides)" if val.source else "")
     logger.info("=> input: %s%s", data.pipeline,
                 "" if cfg.dummy else f"; {cfg.workers} worker{'' if cfg.workers == 1 else 's'}")
+    cpus = usable_cpus()
+    if not cfg.dummy and cfg.workers > cpus:  # what torch warns of at every loader and epoch, said once
+        logger.info("=> note: -j %d asks for more data workers than the %d CPU core%s this process may use: all %d "
+                    "run, taking turns on %s (-j %d or fewer gives each a core of its own)", cfg.workers, cpus,
+                    "" if cpus == 1 else "s", cfg.workers, "it" if cpus == 1 else "them", cpus)
     logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
@@ -172,7 +177,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
     if cfg.prof > 0:
         logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
-                    "checkpoint is written", cfg.prof, cfg.prof)
+                    "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl", cfg.prof,
+                    cfg.prof)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
@@ -428,6 +434,15 @@ def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
     return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
 
 
+def exceeds_bad_fraction(count: int, total: int, limit: float) -> bool:
+    """Whether ``count`` unreadable images of ``total`` are more than ``--max-bad-fraction limit``
+    tolerates. The limit is the largest share allowed: exactly at it the run goes on (0 allows
+    none, 1 never stops). ``count / total`` rounds to the same float as a decimal limit of the
+    same value (7 of 100 at 0.07), where ``count > limit * total`` would not (0.29 * 100 is
+    28.999999999999996, so 29 of 100 would stop at 0.29)."""
+    return total > 0 and count / total > limit
+
+
 def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int,
                    earlier: int = 0) -> int:
     """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run.
@@ -435,7 +450,7 @@ def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total
     count = torch.tensor([float(len(paths))], device=ctx.device)
     count = int(distributed.all_reduce_sum(count, ctx).item()) + earlier
     log.skipped_images(epoch, paths, count, earlier)
-    if total_images and count / total_images > cfg.max_bad_fraction:
+    if exceeds_bad_fraction(count, total_images, cfg.max_bad_fraction):
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
     return count

@@ -47,10 +47,12 @@ def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
 
 
 def last_metrics(out_dir: str) -> list:
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path)]
+    """The run's rows: metrics.jsonl, or a --prof run's prof.jsonl."""
+    for name in ("metrics.jsonl", "prof.jsonl"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            return [json.loads(line) for line in open(path)]
+    return []
 
 
 def tail(path: str, n: int = 6) -> str:
