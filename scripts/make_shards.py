@@ -24,7 +24,6 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 
 from imagenet.base.errors import UserError, user_error  # noqa: E402
-from imagenet.data.shardwriter import BAD_FILES, make_shards, parse_size  # noqa: E402
 
 SHOWN_BAD = 10  # bad files listed on the terminal; all of them are in OUT/bad_files.txt
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C
@@ -48,6 +47,8 @@ def main(argv=None) -> int:
     # force: a call in a process that logged before (a test) still logs to the stderr of now
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", force=True)
     try:
+        # here, not at the top: importing torch and PIL takes seconds, and a Ctrl-C then is one line too
+        from imagenet.data.shardwriter import BAD_FILES, make_shards, parse_size
         if args.workers < 0:
             raise UserError(f"--workers must be 0 or more, got {args.workers}")
         report = make_shards(args.src, args.out, shard_size=parse_size(args.shard_size), seed=args.seed,
