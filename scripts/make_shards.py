@@ -7,8 +7,11 @@
 
 OUT gets train-NNNNNN.tar and val-NNNNNN.tar (KEY.jpg + KEY.cls), classes.txt, the index
 (index.json, written last, and train-index.npy / val-index.npy) and, if any image could not
-be read, bad_files.txt: such files are not packed. The training images are shuffled once
-(--seed) before packing. Rerun the same command after an interruption: it continues.
+be read, bad_files.txt: such files are not packed (the index lists them, and a run from the
+shards counts them as skipped, as a run from the folder does). The training images are shuffled
+once (--seed) before packing. Rerun the same command after an interruption (Ctrl-C, a full disk):
+it continues. Rerun it after files of DIR changed (a bad file repaired): it rewrites the shards
+from the first one whose files changed.
 """
 
 import os
@@ -21,9 +24,9 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 
 from imagenet.base.errors import UserError, user_error  # noqa: E402
-from imagenet.data.shardwriter import BAD_FILES, make_shards, parse_size  # noqa: E402
 
 SHOWN_BAD = 10  # bad files listed on the terminal; all of them are in OUT/bad_files.txt
+INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,18 +44,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    # force: a call in a process that logged before (a test) still logs to the stderr of now
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", force=True)
     try:
+        # here, not at the top: importing torch and PIL takes seconds, and a Ctrl-C then is one line too
+        from imagenet.data.shardwriter import BAD_FILES, make_shards, parse_size
         if args.workers < 0:
             raise UserError(f"--workers must be 0 or more, got {args.workers}")
         report = make_shards(args.src, args.out, shard_size=parse_size(args.shard_size), seed=args.seed,
                              workers=args.workers, progress=not args.quiet, overwrite=args.overwrite)
     except UserError as e:
         return user_error(e)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr, flush=True)
+        return INTERRUPTED
     if report.finished_before:
-        print(f"{args.out} already holds these shards (index.json); nothing to do")
+        if report.note:
+            print(f"{args.out} already holds these shards (index.json); {report.note}")
+        else:
+            print(f"{args.out} already holds these shards (index.json), and no file of {args.src} changed since; "
+                  "nothing to do")
         return 0
-    if report.continued_from:
+    if report.changed_source:
+        print(f"files of {args.src} changed since these shards were made: kept the shards before the first "
+              f"changed one ({report.continued_from} images), rewrote the rest")
+    elif report.continued_from:
         print(f"continued an interrupted conversion after {report.continued_from} images")
     for split, path, reason in report.bad[:SHOWN_BAD]:
         print(f"not packed, unreadable: {split}/{path} ({reason})")

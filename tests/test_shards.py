@@ -6,6 +6,8 @@ resume bit for bit, a corrupt sample counted, a truncated shard or a missing ind
 a URL read through fsspec."""
 
 import contextlib
+import errno
+import gc
 import hashlib
 import importlib.util
 import io
@@ -26,12 +28,12 @@ from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.data import shardwriter
 from imagenet.data.decode import TrainDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder
+from imagenet.data.folder import SafeImageFolder, images_are_jpeg
 from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, decode_batch
 from imagenet.data.loaders import build_datasets, build_loaders
 from imagenet.data.remote import local_copy
 from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
-from imagenet.data.shardindex import read_index
+from imagenet.data.shardindex import read_index, shard_name
 from imagenet.data.shards import SampleBytes, ShardDataset
 from tests.helpers import assert_same_run, interrupt_after_step, last_checkpoint, make_digits, photo, scratch
 
@@ -141,9 +143,18 @@ def test_bad_files_are_reported_and_not_packed(with_bad_files, capsys):
     emptied = {f"val/{c}/{next((root / 'val' / str(c)).iterdir()).name}" for c in (0, 4, 9)}
     assert {line.split("\t")[0] for line in listed.splitlines()} == {"train/3/garbage.png", "train/5/cut.png",
                                                                       *emptied}
+    reasons = dict(line.split("\t") for line in listed.splitlines())
+    assert "garbage.png" in reasons["train/3/garbage.png"] and "BytesIO" not in listed  # PIL's message names the file
     index = json.loads((out / "index.json").read_text())
     assert [index["splits"][s]["samples"] for s in ("train", "val")] == [20, 7]
     assert [index["splits"][s]["skipped"] for s in ("train", "val")] == [2, 3]
+    # the index lists what it left out, per split, with the folder's ids and labels
+    files = {split: {os.path.relpath(p, root / split): (i, label) for i, (p, label) in enumerate(folder_files(root, split))}
+             for split in ("train", "val")}
+    for split, names in (("train", {"3/garbage.png", "5/cut.png"}), ("val", {e.split("/", 1)[1] for e in emptied})):
+        left_out = index["splits"][split]["left_out"]
+        assert {item["name"] for item in left_out} == names
+        assert all(files[split][item["name"]] == (item["id"], item["label"]) for item in left_out)
     # the ids stay the folder's: the unreadable files keep theirs, unused
     bad_ids = {i for i, (p, _) in enumerate(folder_files(root, "train")) if "garbage" in p or "cut" in p}
     ids = set(read_index(str(out)).splits["train"].table()["id"].tolist())
@@ -177,6 +188,127 @@ def test_an_interrupted_conversion_is_refused_then_continued(digits, shards, tmp
     assert convert(digits, out).finished_before
     with pytest.raises(UserError, match="--overwrite"):
         convert(digits, out, shard_size=2 * SHARD_SIZE)
+
+
+def cli_args(src, out):
+    return [str(src), str(out), "--shard-size", str(SHARD_SIZE), "--workers", "0", "-q"]
+
+
+def same_files(a, b):
+    names = sorted(p.name for p in Path(a).iterdir())
+    assert names == sorted(p.name for p in Path(b).iterdir())
+    for name in names:
+        assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes(), name
+
+
+def test_ctrl_c_is_one_line_and_a_rerun_continues_with_the_files_changed_meanwhile(tmp_path, monkeypatch, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_digits(src, train_per_class=2, val_per_class=1)
+    real, closed = shardwriter._close, []
+
+    def ctrl_c_after_two(*a, **k):
+        real(*a, **k)
+        closed.append(1)
+        if len(closed) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(shardwriter, "_close", ctrl_c_after_two)
+    capsys.readouterr()
+    assert make_shards_cli(cli_args(src, out)) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted; rerun the same command" in err
+    monkeypatch.undo()
+    # the first shard's first image is replaced before the rerun: it rewrites from that shard on
+    samples = folder_files(src, "train")
+    first = Path(samples[np.random.default_rng(0).permutation(len(samples))[0]][0])
+    first.write_bytes(Path(samples[-1][0]).read_bytes())
+    assert make_shards_cli(cli_args(src, out)) == 0
+    convert(src, tmp_path / "fresh")
+    same_files(out, tmp_path / "fresh")
+
+
+def test_a_full_disk_while_writing_the_index_is_one_line_and_a_rerun_completes(digits, shards, tmp_path, monkeypatch,
+                                                                              capsys):
+    out, real = tmp_path / "out", shardwriter._atomic
+
+    def disk_full_at_the_index(path, write):
+        def part_then_full(fh):
+            fh.write(b"{")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, part_then_full if path.endswith("index.json") else write)
+    monkeypatch.setattr(shardwriter, "_atomic", disk_full_at_the_index)
+    capsys.readouterr()
+    assert make_shards_cli(cli_args(digits, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "rerun" in err
+    assert not (out / "index.json").exists() and not list(out.glob("*.tmp"))
+    monkeypatch.undo()
+    assert make_shards_cli(cli_args(digits, out)) == 0
+    same_files(out, shards)
+
+
+def test_a_repaired_file_is_packed_by_a_rerun_which_keeps_the_shards_before_it(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_digits(src, train_per_class=2, val_per_class=1)
+    last = int(np.random.default_rng(0).permutation(20)[-1])  # packed last: into a later shard than the first
+    broken = Path(folder_files(src, "train")[last][0])
+    good = broken.read_bytes()
+    broken.write_bytes(good[:40])
+    convert(src, out)
+    [item] = read_index(str(out)).splits["train"].left_out
+    assert item["id"] == last and item["shard"] > 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    broken.write_bytes(good)  # repaired
+    assert make_shards_cli(cli_args(src, out)) == 0
+    assert "changed since these shards were made" in capsys.readouterr().out
+    index = read_index(str(out))
+    assert not index.splits["train"].left_out and last in index.splits["train"].table()["id"].tolist()
+    kept = [shard_name("train", n) for n in range(item["shard"])] + [s["name"] for s in index.splits["val"].shards]
+    assert all((out / name).stat().st_mtime_ns == stamps[name] for name in kept)
+    convert(src, tmp_path / "fresh")
+    same_files(out, tmp_path / "fresh")
+    assert convert(src, out).finished_before
+
+
+def test_the_same_folder_through_a_symlink_is_the_same_conversion(digits, shards, tmp_path, capsys):
+    (tmp_path / "link").symlink_to(digits)
+    shutil.copytree(shards, tmp_path / "out")
+    assert make_shards_cli(cli_args(tmp_path / "link", tmp_path / "out")) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_a_conversion_by_an_earlier_make_shards_is_kept_with_a_note(digits, shards, tmp_path, capsys):
+    """Its plan held the absolute source path and no sizes or times: the same listing and settings
+    are taken as this conversion, and the user is told how to rebuild it."""
+    shutil.copytree(shards, tmp_path / "out")
+    index = json.loads((shards / "index.json").read_text())
+    index["made_by"]["source"] = str(digits)
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            del shard["next"], shard["sources"]
+    (tmp_path / "out" / "index.json").write_text(json.dumps(index))
+    assert make_shards_cli(cli_args(digits, tmp_path / "out")) == 0
+    printed = capsys.readouterr().out
+    assert "earlier make_shards" in printed and "--overwrite" in printed
+
+
+def test_the_index_says_whether_the_images_are_jpegs(shards, tmp_path):
+    """--decode auto asks: PNG digits are not JPEGs; an index from before the formats were recorded
+    is 'not known', as before."""
+    assert images_are_jpeg(str(shards)) is False
+    jpegs = tmp_path / "jpegs"
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (jpegs / split / c).mkdir(parents=True)
+            photo(20, 24, seed=len(c)).save(jpegs / split / c / "x.jpg")
+    convert(jpegs, tmp_path / "jpeg-shards")
+    assert json.loads((tmp_path / "jpeg-shards" / "index.json").read_text())["splits"]["train"]["formats"] == {"jpg": 2}
+    assert images_are_jpeg(str(tmp_path / "jpeg-shards")) is True
+    shutil.copytree(shards, tmp_path / "older")
+    index = json.loads((shards / "index.json").read_text())
+    for split in index["splits"].values():
+        del split["formats"]
+    (tmp_path / "older" / "index.json").write_text(json.dumps(index))
+    assert images_are_jpeg(str(tmp_path / "older")) is None
 
 
 # ------------------------------------------------------------------------------------- samplers
@@ -267,20 +399,24 @@ def test_validation_blocks_cover_every_image_once(n):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_seven_validation_images_over_ranks_are_each_read_once(with_bad_files, world):
-    _, out = with_bad_files
+def test_validation_images_over_ranks_are_each_read_once_the_left_out_ones_skipped(with_bad_files, world):
+    """10 validation images: 7 packed, 3 left out at conversion, which come back skipped, named."""
+    root, out = with_bad_files
     if not (out / "index.json").exists():
-        convert(*with_bad_files)
+        convert(root, out)
     cfg = parse_config(run_args(out, "/tmp"))
     data = build_datasets(cfg, str(out), device=torch.device("cpu"))
-    seen = []
+    seen, read, skipped = [], 0, []
     for rank in range(world):
         ctx = SimpleNamespace(world_size=world, rank=rank, distributed=True, device=torch.device("cpu"))
         _, val = build_loaders(parse_config(run_args(out, "/tmp", "-b", 2 * world)), data, ctx, 0)
-        ids = data.val.table["id"]
-        seen += [int(ids[i]) for i in val.sampler]
-        assert sum(len(targets) for _, targets, _ in val) == len(val.sampler)
-    assert sorted(seen) == sorted(data.val.table["id"].tolist()) and len(seen) == 7
+        seen += [int(data.val.image_ids[i]) for i in val.sampler]
+        for _, targets, bad in val:
+            read, skipped = read + len(targets), skipped + bad
+    assert sorted(seen) == list(range(10)) and read == 7
+    emptied = {f"val/{c}/{next((root / 'val' / str(c)).iterdir()).name}" for c in (0, 4, 9)}
+    assert {name.split(" ")[0] for name in skipped} == emptied
+    data.close()
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -343,6 +479,39 @@ def test_the_gpu_decoders_worker_side_takes_a_sample_as_it_takes_a_file(tmp_path
                        decode_batch(JpegBatch.collate([from_file]), torch.device("cpu")).images)
 
 
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_dataset_closes_its_shards_when_closed_or_dropped(shards):
+    before = open_fds()
+    data = ShardDataset(read_index(str(shards)).splits["train"], None, lambda f: f.getvalue())
+    assert all(data[row][0] for row in range(len(data)))
+    assert open_fds() > before
+    data.close()
+    assert open_fds() == before
+    assert data[0][0] and open_fds() > before  # a later sample opens what it needs again
+    data._pid = -1  # as in a forked worker: the parent's descriptors are closed there, not kept
+    assert data[len(data) - 1][0]
+    assert open_fds() == before + 2  # the table's map and one shard
+    del data
+    gc.collect()
+    assert open_fds() == before
+
+
+def test_a_samples_name_is_its_shard_and_member(shards):
+    """What the skipped-images report shows for a sample the GPU decoder or PIL rejects, and what
+    PIL's messages show (a file object's repr)."""
+    data = ShardDataset(read_index(str(shards)).splits["train"], None, lambda f: f)
+    for row in (0, len(data) - 1):
+        sample = data[row][0]
+        shard, offset = (int(x) for x in data.table[row][["shard", "offset"]].item())
+        assert sample.name == data.name(shard, offset) and sample.name.endswith(".png")
+        assert sample.name.startswith(data.split.shards[shard]["name"] + ":")
+        assert repr(sample) == repr(sample.name)
+    data.close()
+
+
 def test_a_shard_cut_short_after_start_up_is_a_counted_skip(shards, tmp_path):
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy)
@@ -364,17 +533,44 @@ def shard_run(shards, tmp_path_factory):
     """The one-epoch run from the shards: its metrics and what it printed."""
     with scratch(tmp_path_factory, "shard_run") as out:
         printed = io.StringIO()
+        fds = open_fds()
         with contextlib.redirect_stdout(printed):  # the run's log handler writes to sys.stdout
             assert main(run_args(shards, out)) == 0
-        yield metrics(out), printed.getvalue()
+        yield metrics(out), printed.getvalue(), open_fds() - fds
 
 
 def test_a_shard_run_matches_the_folder_run_of_the_same_images(digits, shards, shard_run, tmp_path):
     assert main(run_args(digits, tmp_path)) == 0
-    folder, (from_shards, printed) = metrics(tmp_path), shard_run
+    folder, (from_shards, printed, _) = metrics(tmp_path), shard_run
     for key in ("train_loss", "train_acc1", "val_loss", "val_acc1", "train_samples", "val_samples"):
         assert from_shards[0][key] == folder[0][key], key
     assert f"=> data: {shards} (tar shards (40 train / 10 val in 10 shards), 10 classes)" in printed
+
+
+def test_an_in_process_run_leaves_no_file_open(shard_run):
+    assert shard_run[2] == 0
+
+
+def test_a_shard_run_skips_and_counts_the_unreadable_images_its_folder_run_does(with_bad_files, tmp_path, capsys):
+    """The converter left 2 train and 3 val images out: the shard run meets them where the folder
+    run does (the same order), counts and lists them, and --max-bad-fraction judges the same."""
+    root, _ = with_bad_files
+    convert(root, tmp_path / "shards")
+    lenient = ("--max-bad-fraction", "0.5")
+    assert main(run_args(root, tmp_path / "folder", *lenient)) == 0
+    assert main(run_args(tmp_path / "shards", tmp_path / "from_shards", *lenient)) == 0
+    banner = capsys.readouterr().out.split("tar shards (")[1].split("\n")[0]
+    assert banner.startswith("20 train / 7 val in") and "; 5 unreadable image(s) left out when converted" in banner
+    folder, from_shards = metrics(tmp_path / "folder")[0], metrics(tmp_path / "from_shards")[0]
+    assert folder["skipped_images"] >= 3
+    for key in ("skipped_images", "train_loss", "train_samples", "val_loss", "val_acc1", "val_samples"):
+        assert from_shards[key] == folder[key], key
+
+    def listed(run):
+        return sorted(line.split("\t")[1] for line in (tmp_path / run / "skipped_images.txt").read_text().splitlines())
+    assert [name.split(" ")[0] for name in listed("from_shards")] == [os.path.relpath(p, root) for p in listed("folder")]
+    assert main(run_args(tmp_path / "shards", tmp_path / "strict", "--max-bad-fraction", "0.05")) == 2
+    assert "could not be read in epoch 0" in capsys.readouterr().err
 
 
 def test_a_mid_epoch_checkpoint_resumes_bit_exactly(shards, tmp_path, monkeypatch):
@@ -450,22 +646,48 @@ def test_a_url_is_copied_once_into_the_cache_and_trains_as_the_local_folder(shar
         fs.rm(root, recursive=True)
 
 
-def test_a_cached_copy_is_reused_and_replaced_when_the_index_changes(shards, tmp_path):
+def test_a_cached_copy_is_reused_and_repaired(shards, tmp_path):
     url = f"file://{tmp_path / 'remote'}"
     shutil.copytree(shards, tmp_path / "remote")
-    local = Path(local_copy(url, tmp_path / "cache", progress=False))
-    assert sorted(p.name for p in local.iterdir()) == sorted([".lock", *(p.name for p in shards.iterdir())])
+    lease = local_copy(url, tmp_path / "cache", progress=False)
+    local = Path(lease.path)
+    assert sorted(p.name for p in local.iterdir()) == sorted([".readers", *(p.name for p in shards.iterdir())])
     stamp = (local / "train-000000.tar").stat().st_mtime_ns
-    assert local_copy(url, tmp_path / "cache", progress=False) == str(local)
+    again = local_copy(url, tmp_path / "cache", progress=False)
+    assert again.path == str(local)
     assert (local / "train-000000.tar").stat().st_mtime_ns == stamp  # not copied again
     (local / "val-000000.tar").unlink()  # a damaged cache is repaired
-    local_copy(url, tmp_path / "cache", progress=False)
+    local_copy(url, tmp_path / "cache", progress=False).close()
     assert (local / "val-000000.tar").read_bytes() == (shards / "val-000000.tar").read_bytes()
-    index = json.loads((tmp_path / "remote" / "index.json").read_text())
-    index["splits"]["val"]["shards"] = index["splits"]["val"]["shards"][:1]  # the remote folder changed
-    (tmp_path / "remote" / "index.json").write_text(json.dumps(index))
-    local_copy(url, tmp_path / "cache", progress=False)
-    assert not (local / "val-000001.tar").exists()
+    lease.close()
+    again.close()
+
+
+def test_two_jobs_on_one_url_each_read_the_version_they_started_with(digits, shards, tmp_path):
+    """The data at the URL is rebuilt while a job reads its cached copy: a second job copies the new
+    version beside it, the first keeps reading its own files, and the old version goes once no job
+    reads it."""
+    remote = tmp_path / "remote"
+    url = f"file://{remote}"
+    shutil.copytree(shards, remote)
+    first = local_copy(url, tmp_path / "cache", progress=False)
+    old = read_index(first.path)
+    reader = ShardDataset(old.splits["train"], None, lambda f: f.getvalue())
+    before = [reader[row][0] for row in range(len(reader))]
+    shutil.rmtree(remote)
+    convert(digits, remote, shard_size=3 * SHARD_SIZE)  # rebuilt: other shards under the same names
+    second = local_copy(url, tmp_path / "cache", progress=False)
+    assert second.path != first.path
+    reader.close()  # the first job's next samples are opened afresh: from its own version
+    assert [reader[row][0] for row in range(len(reader))] == before
+    assert all((Path(first.path) / p.name).read_bytes() == p.read_bytes() for p in shards.iterdir())
+    assert (Path(second.path) / "index.json").read_text() == (remote / "index.json").read_text()
+    local_copy(url, tmp_path / "cache", progress=False).close()
+    assert Path(first.path).exists()  # still read: kept
+    first.close()
+    local_copy(url, tmp_path / "cache", progress=False).close()
+    assert not Path(first.path).exists() and Path(second.path).exists()  # no one reads it: removed
+    second.close()
 
 
 @pytest.mark.parametrize("url, message", [

@@ -58,8 +58,9 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     the module's docstring. ``cuda``: training on a CUDA device; ``cpus_per_gpu``: this machine's
     CPU cores over the GPUs training on it; ``gpus_per_process``: GPUs this process's workers feed
     (DataParallel: all of them); ``gpu_decoder``: :func:`gpu_decoder_available`; ``jpeg``:
-    whether the training images are JPEGs (:func:`imagenet.data.folder.images_are_jpeg`; None:
-    not known, as for tar shards, taken as JPEGs)."""
+    whether the training images are JPEGs (:func:`imagenet.data.folder.images_are_jpeg`, which
+    asks a shard folder's index; None: not known, as for a URL or an older shard index, taken as
+    JPEGs)."""
     if cfg.decode != "auto":
         return DecodeChoice(cfg.decode)
     if cfg.dummy:

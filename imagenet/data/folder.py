@@ -18,6 +18,7 @@ from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..base.errors import UserError
+from .shardindex import INDEX, read_index
 from .transforms import set_output_size
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,14 @@ def _has_image(class_dir: str) -> bool:
 
 def images_are_jpeg(root: str) -> Optional[bool]:
     """Whether ``root/train``'s first class folder holds JPEGs (its first image file, by name), for
-    ``--decode auto``; None where there is nothing to look at (no such folder: tar shards, a URL,
-    a layout the checks will report)."""
+    ``--decode auto``; for a shard folder, what its index says of the training images. None where
+    there is nothing to look at (a URL, a shard index older than its format counts, a layout the
+    checks will report)."""
+    if os.path.isfile(os.path.join(root, INDEX)):
+        try:
+            return read_index(root).images_are_jpeg()
+        except UserError:
+            return None  # start-up reports what is wrong with it
     try:
         classes = _class_dirs(os.path.join(root, "train"))
         for _dir, _subdirs, files in os.walk(os.path.join(root, "train", classes[0]), followlinks=True):

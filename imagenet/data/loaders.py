@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
@@ -23,7 +24,7 @@ from .decode import TrainDecoder, ValDecoder, path_identity
 from .folder import SafeImageFolder, check_layout
 from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
-from .remote import is_url, local_copy
+from .remote import CacheLease, is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
 from .shardindex import ShardIndex
 from .shards import ShardDataset, find_shards, open_rgb
@@ -77,6 +78,22 @@ class DataBundle:
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
     jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
+    lease: Optional[CacheLease] = None  # a URL's cached copy, kept while the run reads it
+
+    def close(self) -> None:
+        """Release what reading the data holds: open shard files, a cached copy's lease. The
+        run's owner calls it at the end (``with`` does); the workers' files go with them."""
+        for dataset in (self.train, self.val):
+            if isinstance(dataset, ShardDataset):
+                dataset.close()
+        if self.lease is not None:
+            self.lease.close()
+
+    def __enter__(self) -> "DataBundle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
@@ -90,7 +107,16 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         return DataBundle(SyntheticDataset(cfg.dummy_train_size, n, cfg.image_size, seed=1),
                           SyntheticDataset(cfg.dummy_val_size, n, val_geo.crop, seed=2),
                           [str(i) for i in range(n)], "synthetic", "one synthetic batch made on the device")
-    shards = _shard_index(cfg, root)
+    shards, lease = _shard_index(cfg, root)
+    try:
+        return _build(cfg, root, val_geo, device, shards, lease)
+    except BaseException:
+        if lease is not None:
+            lease.close()
+        raise
+
+
+def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardIndex], lease) -> DataBundle:
     classes = shards.classes if shards is not None else check_layout(root)
     decoder = None
     if cfg.data_pipeline == "fast":
@@ -118,19 +144,27 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
         loader = path_identity if loader is path_identity else open_rgb
         train = ShardDataset(shards.splits["train"], train_tf, loader)
         val = ShardDataset(shards.splits["val"], val_tf, loader)
-        layout = f"tar shards ({len(train)} train / {len(val)} val in {shards.shard_count} shards)"
-        return DataBundle(train, val, classes, root, pipeline, layout, decoder)
+        left_out = len(train.split.left_out) + len(val.split.left_out)
+        layout = (f"tar shards ({train.split.samples} train / {val.split.samples} val in {shards.shard_count} shards"
+                  + (f"; {left_out} unreadable image(s) left out when converted, counted as skipped" if left_out else "")
+                  + ")")
+        return DataBundle(train, val, classes, root, pipeline, layout, decoder, lease=lease)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
     return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder)
 
 
-def _shard_index(cfg, root: str) -> Optional[ShardIndex]:
-    """The index when ``root`` is a shard folder (a URL's copied into the cache first); None for
-    an image folder."""
-    if is_url(root):
-        root = local_copy(root, cfg.cache_dir or default_cache_dir())
-    return find_shards(root)
+def _shard_index(cfg, root: str) -> tuple:
+    """(the index, None) when ``root`` is a shard folder; (the index of its cached copy, the
+    copy's lease) for a URL; (None, None) for an image folder."""
+    if not is_url(root):
+        return find_shards(root), None
+    lease = local_copy(root, cfg.cache_dir or default_cache_dir())
+    try:
+        return find_shards(lease.path), lease
+    except BaseException:
+        lease.close()
+        raise
 
 
 WORKER_TERM_GRACE = 90  # seconds a worker lives on after SIGTERM; the trainer's stop takes < 60
@@ -198,9 +232,10 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
                 SyntheticLoader(data.val, samples=len(range(rank, len(data.val), world)), drop_last=False,
                                 **per_rank))
     if isinstance(data.train, ShardDataset):
-        table = data.train.table
-        train_sampler = ShardWindowSampler(table["shard"], table["id"], world, rank, seed, cfg.shuffle_window)
-        val_sampler = BlockSampler(len(data.val), rank, world)  # a rank reads ~1/world of the val shards
+        train_sampler = ShardWindowSampler(data.train.shard_of_rows, data.train.image_ids, world, rank, seed,
+                                           cfg.shuffle_window)
+        # a rank reads ~1/world of the val shards; in the folder's order, the images left out included
+        val_sampler = BlockSampler(len(data.val), rank, world, order=np.argsort(data.val.image_ids, kind="stable"))
     else:
         train_sampler = SeededSampler(data.train, world, rank, seed)
         val_sampler = ShardSampler(len(data.val), rank, world)

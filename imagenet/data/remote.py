@@ -3,11 +3,18 @@ local cache, then read like a local shard folder.
 
 A sample is one small random read; over a network each costs a round trip of 10-50 ms, so
 reading samples remotely would need hundreds of requests in flight to feed a GPU. Whole shards
-are copied instead, each to a temporary name and renamed, the index last, under
-``CACHE/shards/<hash of the URL>``: an interrupted copy continues where it stopped, a later run
-on the same URL reads the copy, and a URL whose ``index.json`` changed is copied again.
-Processes of one machine share the copy: one copies (holding a lock the system releases if it
-dies), the others wait for it.
+are copied instead, under ``CACHE/shards/<hash of the URL>/<hash of its index.json>``: one
+folder per version of the data, each file copied to a temporary name and renamed, the index
+last. A file in a version's folder never changes: a job still reading an older version (the
+data was rebuilt at the URL while it ran) keeps reading the files it started with, while a new
+job copies the new version beside it. An interrupted copy continues where it stopped; a later
+run on the same unchanged URL reads the copy.
+
+Processes of one machine share the copies: one copies (holding the URL's lock, which the system
+releases if it dies), the others wait for it. A run holds a shared lock on the version it reads
+(:class:`CacheLease`, released when it closes its data or dies); a copy, once complete, deletes
+the URL's other versions that no run holds, so a cache keeps one version of a URL besides the
+ones in use.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
+from typing import Optional
 
 from ..base.errors import UserError
 from .shardindex import CLASSES, INDEX, MAKE_HINT, SPLITS, parse_index, table_name
@@ -50,12 +59,38 @@ def _filesystem(url: str):
         raise UserError(f"{url}: {e}; give a local shard folder or a URL of a protocol fsspec knows") from None
 
 
+LOCK = ".lock"  # the URL's: held while copying or choosing a version
+READERS = ".readers"  # a version's: runs reading it hold it shared
+
+
 def cache_folder(url: str, cache_dir) -> Path:
+    """The URL's folder of the cache; each version of its data is a folder inside."""
     return Path(cache_dir) / "shards" / hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-def local_copy(url: str, cache_dir, progress: bool = True) -> str:
-    """A local shard folder with the contents of ``url``, copied once (see the module)."""
+def version_name(index_text: str) -> str:
+    """A version's folder name: the hash of its ``index.json``, which names every shard's size."""
+    return hashlib.sha1(index_text.encode()).hexdigest()[:16]
+
+
+class CacheLease:
+    """A run's shared lock on the cached version it reads: while held, no copy of a newer version
+    deletes it. The system releases it if the process dies."""
+
+    def __init__(self, version: Path):
+        self.path = str(version)
+        self._fh: Optional[object] = open(version / READERS, "a")
+        fcntl.flock(self._fh, fcntl.LOCK_SH)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # releases the lock
+            self._fh = None
+
+
+def local_copy(url: str, cache_dir, progress: bool = True) -> CacheLease:
+    """The local copy of ``url``'s shard folder (see the module), copied if this version is not
+    cached yet; the lease's ``path`` is the folder, and the version stays while the lease is held."""
     fs, root = _filesystem(url)
     root = root.rstrip("/")
     try:
@@ -65,31 +100,54 @@ def local_copy(url: str, cache_dir, progress: bool = True) -> str:
                         f"with {MAKE_HINT.format(root='OUT')} and copy OUT there") from None
     except Exception as e:  # network, permissions: fsspec's backends raise their own types
         raise UserError(f"cannot read {url}/{INDEX} ({type(e).__name__}: {e})") from None
-    target = cache_folder(url, cache_dir)
+    folder = cache_folder(url, cache_dir)
+    target = folder / version_name(text)
     index = parse_index(text, str(target), where=f"{url}/{INDEX}")
     try:
         target.mkdir(parents=True, exist_ok=True)
-        lock = open(target / ".lock", "w")
+        lock = open(folder / LOCK, "w")
     except OSError as e:
         raise UserError(f"cannot make the shard cache {target} ({e.strerror or e}); set --cache-dir to a "
                         "writable local folder") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the system if this process dies
-        local_index, pending = target / INDEX, target / f"{INDEX}.copying"
-        current = local_index.exists() and local_index.read_text() == text
-        if not current and not (pending.exists() and pending.read_text() == text):
-            if local_index.exists():
-                logger.info("=> %s changed since it was cached: copying it again", url)
-            for old in target.iterdir():  # another version's files
-                if old.name != ".lock":
-                    old.unlink()
-            pending.write_text(text)  # what an interrupted copy was copying, so a rerun continues it
+        target.mkdir(exist_ok=True)  # a copy of another version may have just removed it
+        local_index = target / INDEX
+        complete = local_index.exists() and local_index.read_text() == text
+        if not complete and any(p.is_dir() for p in folder.iterdir() if p != target):
+            logger.info("=> %s changed since it was cached: copying the new version beside the old", url)
+        for stale in target.glob("*.tmp*"):  # an interrupted copy's (no other copy runs: the lock)
+            stale.unlink(missing_ok=True)
         files = [(table_name(s), None) for s in SPLITS] + [(CLASSES, None)]
         files += [(shard["name"], shard["bytes"]) for s in SPLITS for shard in index.splits[s].shards]
-        _copy(fs, root, target, files, url, progress)
-        if not current:
-            os.replace(pending, local_index)  # last: the copy is complete
-    return str(target)
+        _copy(fs, root, target, files, url, progress)  # what is missing: all of a new version, a file lost since
+        if not complete:
+            tmp = target / f"{INDEX}.tmp{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, local_index)  # last: the copy is complete
+        lease = CacheLease(target)  # before the URL's lock goes: no other copy can remove it now
+        _remove_unused(folder, keep=target)
+    return lease
+
+
+def _remove_unused(folder: Path, keep: Path) -> None:
+    """Delete the URL's other versions that no run reads (called holding the URL's lock), and the
+    files a copy made before versions had folders of their own."""
+    for old in folder.iterdir():
+        if old == keep or old.name == LOCK:
+            continue
+        if not old.is_dir():
+            old.unlink(missing_ok=True)
+            continue
+        try:
+            with open(old / READERS, "a") as readers:
+                fcntl.flock(readers, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a run holds it
+                shutil.rmtree(old, ignore_errors=True)
+                logger.info("=> removed %s from the shard cache: an older version of the data, no run reads it", old)
+        except BlockingIOError:
+            continue  # a run still reads it: a later copy removes it
+        except OSError as e:
+            logger.warning("=> could not remove the old cached version %s (%s)", old, e.strerror or e)
 
 
 def _copy(fs, root: str, target: Path, files: list, url: str, progress: bool) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -145,10 +145,12 @@ class ShardSampler(Sampler):
 class BlockSampler(Sampler):
     """Rank ``r`` of ``w`` gets the contiguous block [r n / w, (r + 1) n / w): every sample exactly
     once, no padding, block sizes differing by at most one. Over tar shards a rank reads about
-    1/w of the shards instead of a part of every one."""
+    1/w of the shards instead of a part of every one. ``order``: the indices in the order the
+    blocks are cut from (default: 0 .. n-1)."""
 
-    def __init__(self, length: int, rank: int, world_size: int):
-        self.indices = range(rank * length // world_size, (rank + 1) * length // world_size)
+    def __init__(self, length: int, rank: int, world_size: int, order: Optional[Sequence[int]] = None):
+        block = range(rank * length // world_size, (rank + 1) * length // world_size)
+        self.indices = block if order is None else [int(order[i]) for i in block]
 
     def __iter__(self):
         return iter(self.indices)

@@ -2,9 +2,11 @@
 
 Every image is read and decoded once (JPEGs at 1/8 scale: the whole entropy stream is still
 read, so a truncated or corrupt file fails) in a pool of processes. One that cannot be read
-is not packed: it is listed in the report and in ``OUT/bad_files.txt``, and the index counts
-it, so a folder run and a shard run of the same data skip the same images. The bytes are
-copied as they are, so a shard's sample decodes to the file's pixels.
+is not packed: it is listed in the report and in ``OUT/bad_files.txt``, and the index lists it
+(``left_out``: its path, id, label and the shard it would have gone into), so a shard run
+skips and counts the images a folder run of the same data does, at the same places. The bytes
+are copied as they are, so a shard's sample decodes to the file's pixels. The index also
+counts the images per format (``--decode auto`` asks whether they are JPEGs).
 
 The training images are shuffled once (``seed``) before packing: every shard is then a
 uniform sample of the set, and a batch drawn from a few shards holds as many classes as one
@@ -15,18 +17,27 @@ Restartable: every shard is written under a temporary name and renamed, then rec
 journal (``OUT/.make_shards/``) with its index rows. A rerun of the same conversion continues
 after the last recorded shard; a rerun with other settings starts over. The index is written
 last, so a folder without ``index.json`` is an unfinished conversion (the trainer says so).
+
+The plan a conversion is recognised by holds the settings and the source's listing (each
+file's path relative to the source folder and its label), so the same folder reached through
+another path or a symlink is the same conversion. Each shard records a digest of the size and
+modification time of the files it covers (and of the next one, whose size decided where the
+shard ended): a rerun after files changed (a bad file repaired, an image replaced) rewrites
+the shards from the first one whose files changed on, and keeps those before it, which are
+then byte for byte what a fresh conversion writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import logging
 import multiprocessing
 import os
 import re
 import shutil
+import signal
 import tarfile
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -36,6 +47,7 @@ from PIL import Image
 
 from ..base.errors import UserError
 from .folder import SafeImageFolder, check_layout
+from .shards import SampleBytes
 from .shardindex import CLASSES, FORMAT, INDEX, ROW, SPLITS, VERSION, shard_name, table_name
 
 logger = logging.getLogger(__name__)
@@ -68,8 +80,10 @@ class Report:
     samples: dict = field(default_factory=dict)  # split -> images packed
     shards: dict = field(default_factory=dict)  # split -> shard count
     bad: list = field(default_factory=list)  # (split, path relative to the split, reason)
-    continued_from: int = 0  # images already packed by an interrupted run
+    continued_from: int = 0  # images already packed by an interrupted run, or kept from a changed source's
     finished_before: bool = False  # the folder already held this conversion
+    changed_source: bool = False  # source files changed since the folder's conversion: its later shards rewritten
+    note: str = ""  # what the user should know about a finished conversion left as it was
 
 
 def _load(path: str) -> tuple:
@@ -77,7 +91,7 @@ def _load(path: str) -> tuple:
     try:
         with open(path, "rb") as fh:
             data = fh.read()
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(SampleBytes(data, os.path.basename(path))) as img:  # PIL's messages name the file
             fmt = img.format
             if fmt == "JPEG":
                 img.draft(img.mode, (max(img.size[0] // 8, 1), max(img.size[1] // 8, 1)))
@@ -85,6 +99,10 @@ def _load(path: str) -> tuple:
     except Exception as e:  # whatever a decoder raises: the file is unreadable
         return None, None, f"{type(e).__name__}: {e}"
     return data, _EXTENSIONS.get(fmt) or os.path.splitext(path)[1][1:].lower() or "img", None
+
+
+def _pool_worker() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process answers it
 
 
 def _loaded(paths: list, pool) -> Iterator[tuple]:
@@ -123,6 +141,7 @@ class _Shard:
         self.fh = open(path + ".tmp", "wb")
         self.bytes = 0
         self.rows: list = []  # [offset, size, label, id]
+        self.formats: dict = {}  # extension -> images
 
     @staticmethod
     def cost(key: str, ext: str, data: bytes, label: int) -> tuple:
@@ -178,6 +197,9 @@ class _Journal:
         except (OSError, ValueError):
             return None
 
+    def remove(self, name: str) -> None:
+        os.unlink(self._path(name))
+
     def write(self, name: str, record: dict) -> None:
         os.makedirs(self.dir, exist_ok=True)
         tmp = self._path(name) + ".tmp"
@@ -200,25 +222,60 @@ def _clear(out: str) -> None:
     shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)
 
 
-def _listing(src: str) -> dict:
-    """split -> [(path, label)] in ImageFolder order: the order a folder run numbers images in."""
-    return {split: SafeImageFolder(os.path.join(src, split)).samples for split in SPLITS}
+@dataclass
+class _Split:
+    """One split of the source as the conversion packs it: its files in ImageFolder order (the
+    order a folder run numbers them in: an image's id), their (size, mtime) and the packing order."""
+
+    name: str  # train | val
+    dir: str
+    samples: list  # [(path, label)]
+    stats: list  # [(size, modification time in ns)] per sample; (-1, -1) for a file gone since the listing
+    order: np.ndarray  # position -> image id
+
+    def sources(self, first: int, end: int) -> str:
+        """The digest a shard holding positions ``first`` to ``end - 1`` records: their files'
+        names, sizes and times, and the next position's, whose size decided where the shard ended."""
+        digest = hashlib.sha1()
+        for image_id in self.order[first:end + 1].tolist():
+            size, mtime = self.stats[image_id]
+            digest.update(f"{os.path.relpath(self.samples[image_id][0], self.dir)}\t{size}\t{mtime}\n".encode())
+        return digest.hexdigest()
 
 
-def _plan(src: str, listing: dict, shard_size: int, seed: int) -> dict:
+def _stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return -1, -1  # unreadable; _load says why
+    return st.st_size, st.st_mtime_ns
+
+
+def _splits(src: str, seed: int) -> dict:
+    """split -> :class:`_Split`; the training images shuffled once (``seed``), validation in order."""
+    splits = {}
+    for split in SPLITS:
+        samples = SafeImageFolder(os.path.join(src, split)).samples
+        order = (np.random.default_rng(seed).permutation(len(samples)) if split == "train"
+                 else np.arange(len(samples)))
+        splits[split] = _Split(split, os.path.join(src, split), samples, [_stat(p) for p, _ in samples], order)
+    return splits
+
+
+def _plan(src: str, splits: dict, shard_size: int, seed: int) -> dict:
+    """What names a conversion: the settings and the listing, paths relative to ``src`` (the
+    files' sizes and times are checked shard by shard: :meth:`_Split.sources`)."""
     digest = hashlib.sha1()
     for split in SPLITS:
-        for path, label in listing[split]:
+        for path, label in splits[split].samples:
             digest.update(f"{split}\t{label}\t{os.path.relpath(path, src)}\n".encode())
-    return {"source": os.path.abspath(src), "seed": seed, "shard_size": shard_size, "listing": digest.hexdigest()}
+    return {"seed": seed, "shard_size": shard_size, "listing": digest.hexdigest()}
 
 
-def _start(out: str, plan: dict, overwrite: bool) -> Optional[dict]:
-    """Decide what a run in ``out`` does; returns the finished index when there is nothing to do."""
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out} ({e.strerror or e}); choose a writable folder") from None
+def _start(out: str, plan: dict, splits: dict, overwrite: bool) -> Optional[dict]:
+    """Decide what a run in ``out`` does; returns the finished index when there is nothing to do.
+    A finished conversion of this plan whose source files changed becomes an unfinished one that
+    continues after its last unchanged shard."""
     index_path = os.path.join(out, INDEX)
     if os.path.exists(index_path):
         with open(index_path) as fh:
@@ -226,12 +283,22 @@ def _start(out: str, plan: dict, overwrite: bool) -> Optional[dict]:
                 done = json.load(fh)
             except ValueError:
                 done = {}
-        if done.get("made_by") == plan and not overwrite:
-            shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)  # left if the last run stopped right here
+        made_by = done.get("made_by") or {}
+        if made_by == plan and not overwrite:
+            shards = {split: done["splits"][split]["shards"] for split in SPLITS}
+            if all(_first_changed(splits[split], shards[split]) == len(shards[split]) for split in SPLITS):
+                shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)  # left if the last run stopped right here
+                return done
+            _reopen(out, done)
+            return None
+        if {k: v for k, v in made_by.items() if k != "source"} == plan and not overwrite:
+            # an earlier make_shards's: it recorded no sizes or times, so changes cannot be told
+            done["note"] = ("it was made by an earlier make_shards, which did not record the files' sizes and "
+                            "times, so changed files cannot be told: pass --overwrite to convert again")
             return done
         if not overwrite:
             raise UserError(f"{out} already holds a finished conversion of other images or other settings "
-                            f"({done.get('made_by')}); choose another folder, or pass --overwrite to replace it")
+                            f"({made_by}); choose another folder, or pass --overwrite to replace it")
         _clear(out)
     journal = _Journal(out)
     previous = journal.read("plan")
@@ -247,111 +314,177 @@ def _start(out: str, plan: dict, overwrite: bool) -> Optional[dict]:
     return None
 
 
+def _first_changed(split: _Split, records: list) -> int:
+    """The number of the first shard record (journal or index) whose files changed since it was
+    written (``len(records)`` when none did)."""
+    first = 0
+    for number, record in enumerate(records):
+        if record.get("sources") != split.sources(first, record.get("next", -1)):
+            return number
+        first = record["next"]
+    return len(records)
+
+
+def _reopen(out: str, done: dict) -> None:
+    """Turn the finished index ``done`` back into a journal of its shards, and drop the index: the
+    conversion continues after the shards whose files did not change (:func:`_resume_point`)."""
+    journal = _Journal(out)
+    shutil.rmtree(journal.dir, ignore_errors=True)
+    for split in SPLITS:
+        entry = done["splits"][split]
+        table = np.load(os.path.join(out, table_name(split)))
+        left_out = entry.get("left_out", [])
+        for number, shard in enumerate(entry["shards"]):
+            rows = table[table["shard"] == number]
+            journal.write(shard_name(split, number), {
+                "rows": [list(r) for r in zip(rows["offset"].tolist(), rows["size"].tolist(), rows["label"].tolist(),
+                                              rows["id"].tolist())],
+                "bytes": shard["bytes"], "next": shard["next"], "sources": shard["sources"],
+                "formats": shard.get("formats", {}),
+                "bad": [[b["name"], b["reason"], b["id"], b["label"]] for b in left_out if b["shard"] == number]})
+    journal.write("plan", done["made_by"])
+    journal.write("reopened", {})  # for the report: the source changed, no run was interrupted
+    os.unlink(os.path.join(out, INDEX))
+
+
+@dataclass
+class _Writer:
+    """Where and how a conversion writes: its folder, journal, largest shard, reading pool, progress bar."""
+
+    out: str
+    journal: _Journal
+    shard_size: int
+    pool: object
+    bar: object
+
+
 def make_shards(src: str, out: str, *, shard_size: int, seed: int = 0, workers: int = 0, progress: bool = True,
                 overwrite: bool = False) -> Report:
     """Convert the image folder ``src`` (``train/``, ``val/``) into tar shards in ``out``."""
     from tqdm import tqdm
     classes = check_layout(src)
-    listing = _listing(src)
-    plan = _plan(src, listing, shard_size, seed)
+    splits = _splits(src, seed)
+    plan = _plan(src, splits, shard_size, seed)
     report = Report(out)
-    done = _start(out, plan, overwrite)
-    if done is not None:
-        report.finished_before = True
-        for split in SPLITS:
-            report.samples[split] = done["splits"][split]["samples"]
-            report.shards[split] = len(done["splits"][split]["shards"])
-        return report
-    journal = _Journal(out)
-    orders = {"train": np.random.default_rng(seed).permutation(len(listing["train"])),
-              "val": np.arange(len(listing["val"]))}
-    resume = {split: _resume_point(out, journal, split) for split in SPLITS}
-    report.continued_from = sum(r[1] for r in resume.values())
-    pool = multiprocessing.get_context().Pool(workers) if workers > 0 else None
     try:
-        with tqdm(total=sum(len(v) for v in listing.values()), initial=report.continued_from, unit="img",
-                  desc="make_shards", disable=not progress or None) as bar:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out} ({e.strerror or e}); choose a writable folder") from None
+    pool = None
+    try:  # a full disk or a failed write anywhere below: one line, and a rerun continues
+        done = _start(out, plan, splits, overwrite)
+        if done is not None:
+            report.finished_before, report.note = True, done.get("note", "")
             for split in SPLITS:
-                _pack(out, journal, os.path.join(src, split), listing[split], orders[split], resume[split],
-                      shard_size, pool, bar)
+                report.samples[split] = done["splits"][split]["samples"]
+                report.shards[split] = len(done["splits"][split]["shards"])
+            return report
+        journal = _Journal(out)
+        report.changed_source = journal.read("reopened") is not None
+        resume = {split: _resume_point(out, journal, splits[split]) for split in SPLITS}
+        report.continued_from = sum(r[1] for r in resume.values())
+        pool = multiprocessing.get_context().Pool(workers, initializer=_pool_worker) if workers > 0 else None
+        with tqdm(total=sum(len(s.samples) for s in splits.values()), initial=report.continued_from, unit="img",
+                  desc="make_shards", disable=not progress or None) as bar:
+            writer = _Writer(out, journal, shard_size, pool, bar)
+            for split in SPLITS:
+                _pack(writer, splits[split], resume[split])
+        return _finish(src, writer, classes, plan, splits, report)
     except OSError as e:
         raise UserError(f"cannot write into {out} ({e.strerror or e}); free space there and rerun: the conversion "
                         "continues where it stopped") from None
     finally:
         if pool is not None:
             pool.terminate()
-    return _finish(src, out, journal, classes, plan, listing, report)
 
 
-def _resume_point(out: str, journal: _Journal, split: str) -> tuple:
+def _resume_point(out: str, journal: _Journal, split: _Split) -> tuple:
     """(next shard number or None when the split is done, images done) of ``split`` from the
-    journal; the files of later shards (one being written when the last run stopped) go."""
-    done = journal.read(f"{split}-done")
+    journal, up to the first shard whose files changed since; the files of later shards (one
+    being written when the last run stopped, ones to rewrite) go."""
+    done = journal.read(f"{split.name}-done")
     if done is not None:
         return None, done["positions"]
-    number, position = 0, 0
-    while (record := journal.read(shard_name(split, number))) is not None:
-        number, position = number + 1, record["next"]
+    records = []
+    while (record := journal.read(shard_name(split.name, len(records)))) is not None:
+        records.append(record)
+    number = _first_changed(split, records)
+    for stale in range(number, len(records)):
+        journal.remove(shard_name(split.name, stale))
     for name in os.listdir(out):
-        m = re.fullmatch(rf"{split}-(\d{{6}})\.tar(\.tmp)?", name)
+        m = re.fullmatch(rf"{split.name}-(\d{{6}})\.tar(\.tmp)?", name)
         if m and int(m.group(1)) >= number:
             os.unlink(os.path.join(out, name))
-    return number, position
+    return number, records[number - 1]["next"] if number else 0
 
 
-def _pack(out: str, journal: _Journal, split_dir: str, samples: list, order: np.ndarray, resume: tuple,
-          shard_size: int, pool, bar) -> None:
-    """Write a split's shards from ``resume`` = (shard number, position in ``order``) on."""
-    split = os.path.basename(split_dir)
+def _pack(writer: _Writer, split: _Split, resume: tuple) -> None:
+    """Write a split's shards from ``resume`` = (shard number, position in its order) on."""
     number, position = resume
     if number is None:
         return
-    keys = _keys(split_dir, samples)
-    shard, bad = None, []
-    paths = [samples[i][0] for i in order[position:]]
-    for step, (data, ext, reason) in enumerate(_loaded(paths, pool)):
-        image_id = int(order[position + step])
-        label = samples[image_id][1]
-        bar.update(1)
+    keys = _keys(split.dir, split.samples)
+    shard, bad, start = None, [], position
+    paths = [split.samples[i][0] for i in split.order[position:]]
+    for step, (data, ext, reason) in enumerate(_loaded(paths, writer.pool)):
+        image_id = int(split.order[position + step])
+        label = split.samples[image_id][1]
+        writer.bar.update(1)
         if data is None:
-            bad.append([os.path.relpath(samples[image_id][0], split_dir), reason])
+            bad.append([os.path.relpath(split.samples[image_id][0], split.dir), reason, image_id, label])
             continue
         if shard is None:
-            shard = _Shard(os.path.join(out, shard_name(split, number)))
+            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number)))
         members, size = shard.cost(keys[image_id], ext, data, label)
-        if shard.rows and shard.bytes + size + 2 * BLOCK > shard_size:
-            _close(journal, split, number, shard, position + step, bad)
-            number, bad = number + 1, []
-            shard = _Shard(os.path.join(out, shard_name(split, number)))
+        if shard.rows and shard.bytes + size + 2 * BLOCK > writer.shard_size:
+            _close(writer.journal, split, number, shard, (start, position + step), bad)
+            number, bad, start = number + 1, [], position + step
+            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number)))
         shard.add(members, size, label, image_id)
+        shard.formats[ext] = shard.formats.get(ext, 0) + 1
     if shard is not None and shard.rows:
-        _close(journal, split, number, shard, len(order), bad)
+        _close(writer.journal, split, number, shard, (start, len(split.order)), bad)
         bad = []
-    journal.write(f"{split}-done", {"bad": bad, "positions": len(order)})
+    writer.journal.write(f"{split.name}-done", {"bad": bad, "positions": len(split.order)})
 
 
-def _close(journal: _Journal, split: str, number: int, shard: _Shard, next_position: int, bad: list) -> None:
+def _close(journal: _Journal, split: _Split, number: int, shard: _Shard, positions: tuple, bad: list) -> None:
+    """Finish shard ``number``, which holds ``positions`` = (first, end) of the split's order, and record it."""
     size = shard.close()
-    journal.write(shard_name(split, number), {"rows": shard.rows, "bytes": size, "next": next_position, "bad": bad})
+    journal.write(shard_name(split.name, number), {
+        "rows": shard.rows, "bytes": size, "next": positions[1], "bad": bad, "formats": shard.formats,
+        "sources": split.sources(*positions)})
 
 
-def _finish(src: str, out: str, journal: _Journal, classes: list, plan: dict, listing: dict, report: Report) -> Report:
+def _finish(src: str, writer: _Writer, classes: list, plan: dict, splits: dict, report: Report) -> Report:
     """The tables, the class list, the bad-file list, then the index: the conversion is complete."""
-    splits = {}
+    out, journal = writer.out, writer.journal
+    entries = {}
     for split in SPLITS:
-        rows, shards, number = [], [], 0
+        rows, shards, left_out, formats, number, first = [], [], [], {}, 0, 0
         while (record := journal.read(shard_name(split, number))) is not None:
+            first = shards[-1]["next"] if shards else 0
             rows += [(number, *row) for row in record["rows"]]
-            shards.append({"name": shard_name(split, number), "bytes": record["bytes"], "samples": len(record["rows"])})
-            report.bad += [(split, path, reason) for path, reason in record["bad"]]
+            shards.append({"name": shard_name(split, number), "bytes": record["bytes"], "samples": len(record["rows"]),
+                           "next": record["next"], "sources": record["sources"], "formats": record["formats"]})
+            left_out += [(number, *b) for b in record["bad"]]
+            for ext, n in record["formats"].items():
+                formats[ext] = formats.get(ext, 0) + n
             number += 1
-        report.bad += [(split, path, reason) for path, reason in journal.read(f"{split}-done")["bad"]]
+        trailing = journal.read(f"{split}-done")["bad"]  # after the last shard (a rerun found only bad files)
+        if trailing and shards:  # the last shard's, as a run that never stopped records them
+            end = len(splits[split].order)
+            shards[-1].update(next=end, sources=splits[split].sources(first, end))
+        left_out += [(max(number - 1, 0), *b) for b in trailing]
+        report.bad += [(split, path, reason) for _, path, reason, *_ in left_out]
         if not rows:
-            raise UserError(f"no image of {os.path.join(src, split)} could be read ({len(listing[split])} tried); "
-                            f"see {os.path.join(out, BAD_FILES)}")
+            raise UserError(f"no image of {os.path.join(src, split)} could be read ({len(splits[split].samples)} "
+                            f"tried); see {os.path.join(out, BAD_FILES)}")
         _atomic(os.path.join(out, table_name(split)), lambda fh, rows=rows: np.save(fh, np.array(rows, dtype=ROW)))
-        splits[split] = {"samples": len(rows), "table": table_name(split), "shards": shards,
-                         "skipped": sum(1 for s, *_ in report.bad if s == split)}
+        entries[split] = {"samples": len(rows), "table": table_name(split), "shards": shards, "formats": formats,
+                          "skipped": len(left_out),
+                          "left_out": [{"name": path, "id": image_id, "label": label, "shard": shard, "reason": reason}
+                                       for shard, path, reason, image_id, label in left_out]}
         report.samples[split], report.shards[split] = len(rows), len(shards)
     _atomic(os.path.join(out, CLASSES), lambda fh: fh.write("".join(f"{c}\n" for c in classes).encode()))
     bad_path = os.path.join(out, BAD_FILES)
@@ -359,14 +492,22 @@ def _finish(src: str, out: str, journal: _Journal, classes: list, plan: dict, li
         _atomic(bad_path, lambda fh: fh.write("".join(f"{s}/{p}\t{r}\n" for s, p, r in report.bad).encode()))
     elif os.path.exists(bad_path):
         os.unlink(bad_path)
-    index = {"format": FORMAT, "version": VERSION, "classes": classes, "made_by": plan, "splits": splits}
+    index = {"format": FORMAT, "version": VERSION, "classes": classes, "made_by": plan,
+             "source": os.path.realpath(src), "splits": entries}
     _atomic(os.path.join(out, INDEX), lambda fh: fh.write(json.dumps(index, indent=1).encode()))
     shutil.rmtree(journal.dir, ignore_errors=True)
     return report
 
 
 def _atomic(path: str, write) -> None:
+    """Write ``path`` through a temporary file and a rename; on a failure (a full disk) the
+    temporary goes and ``path`` is as it was."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        write(fh)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     os.replace(tmp, path)

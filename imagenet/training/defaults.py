@@ -58,7 +58,7 @@ class Machine:
     cpus_per_gpu: int = 1  # CPU cores of this machine over the GPUs training on it (--decode auto)
     gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
     gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpujpeg)
-    jpeg: Optional[bool] = None  # the training images are JPEGs (None: not known, e.g. tar shards)
+    jpeg: Optional[bool] = None  # the training images are JPEGs (None: not known, e.g. behind a URL)
 
     @classmethod
     def of(cls, ctx, decode: str = "auto", data: Optional[str] = None) -> "Machine":

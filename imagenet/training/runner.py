@@ -10,6 +10,7 @@ its outputs are written by a :class:`imagenet.training.runlog.RunLog` and its ch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -196,7 +197,8 @@ def run(cfg: Config, env: Optional[ProcessEnv] = None) -> dict:
     _setup_logging(ctx)
     plan = with_environment(resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data)), env, ctx.device.type)
     try:
-        return _run(plan.apply(cfg), ctx, plan, started, requested=cfg)
+        with contextlib.ExitStack() as held:  # what the run holds open (the data's files) is released at its end
+            return _run(plan.apply(cfg), ctx, plan, started, requested=cfg, held=held)
     finally:
         distributed.cleanup(ctx)
 
@@ -214,7 +216,8 @@ class _Start:
     data_order: Optional[dict] = None  # what decides the training data's order (data.dataorder), for checkpoints
 
 
-def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float, requested: Config) -> dict:
+def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: float, requested: Config,
+         held: contextlib.ExitStack) -> dict:
     seed = cfg.seed if cfg.seed is not None else 0
     _seed_everything(seed)  # same model initialisation on every rank
     if ctx.device.type == "cuda":
@@ -226,7 +229,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     # weight broadcast), so all stop with a message instead of waiting on, or losing, a peer.
     failure, start = None, None
     try:
-        start = _start(cfg, ctx, seed, plan)
+        start = _start(cfg, ctx, seed, plan, held)
     except Exception as e:  # a user error, or any other start-up failure: the other ranks must hear of it
         failure = e
     distributed.agree_started(failure, ctx)
@@ -249,7 +252,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
         return _epochs(cfg, ctx, start, opts, stop, log, started)
 
 
-def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
+def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan, held: contextlib.ExitStack) -> _Start:
     """Everything before the first collective: output folder, data, loaders, the training state
     (unwrapped) and, with ``--resume``, its checkpoint."""
     _prepare_output_dir(cfg.output_dir, ctx)
@@ -260,7 +263,7 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan) -> _Start:
     if cfg.decode == "gpu" and not cfg.dummy and ctx.device.type != "cuda":  # before looking for a GPU decoder
         raise UserError(f"--decode gpu needs a CUDA GPU; this run is on {ctx.device}: drop --decode gpu")
     root = _resolve_data_root(cfg)
-    data = build_datasets(cfg, root, val_geo, ctx.device)
+    data = held.enter_context(build_datasets(cfg, root, val_geo, ctx.device))
     if cfg.dummy:
         source = "synthetic data (--dummy)"
     else:
