@@ -24,8 +24,8 @@ import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.metrics import AverageMeter, DeviceSums, means
-from ..base.wrappers import ddp_of
-from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum
+from ..base.wrappers import ddp_of, unwrap
+from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum, average_buffers
 
 logger = logging.getLogger(__name__)
 _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
@@ -154,6 +154,8 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
             rate.stepped(steps)
         elif last_micro:  # nothing readable in the group (outside DDP): no optimizer step, but the schedule's
             _schedule(state.scheduler, first=steps == 0)
+        if done == n:  # the epoch's last step: before its checkpoint (on_step) and the validation
+            _average_statistics(state, ctx)
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
         rate.asking()
@@ -185,6 +187,19 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
                        img_per_s=steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
                        data_wait_frac=steady.data_wait_frac, steady=steady, seconds=elapsed,
                        skipped_paths=skipped_paths, completed=completed, steps_done=done, sums=partial)
+
+
+def _average_statistics(state, ctx: DistContext) -> None:
+    """Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
+    come from its own batches. After the epoch's last optimizer step every rank sets them to
+    their mean over the ranks, once: the checkpoint of that step, the model every rank validates
+    and the epoch's checkpoint hold the same statistics, so -e on a checkpoint reproduces the
+    epoch's Acc@1 and a run resumed at that step (it trains no more of the epoch) ends as an
+    uninterrupted one. Mid-epoch nothing needs it: DDP hands rank 0's statistics to every rank
+    at each forward pass, and those are what a checkpoint holds."""
+    average_buffers(unwrap(state.model), ctx)
+    if state.ema is not None:
+        state.ema.average_statistics(ctx)
 
 
 def _trainable(images, targets, bad: list, last_good: Optional[tuple], ctx: DistContext, opts: LoopOptions) -> tuple:

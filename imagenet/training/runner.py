@@ -28,7 +28,7 @@ from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.torch_private import set_last_lr
-from ..base.wrappers import uncompiled, unwrap
+from ..base.wrappers import uncompiled
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
 from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
@@ -385,12 +385,8 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
 def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
-    # Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
-    # come from its own batches. Every rank takes their mean before validating, so the model each
-    # rank scores is the one rank 0 then saves: -e on the checkpoint reproduces the epoch's Acc@1.
-    distributed.average_buffers(unwrap(state.model), ctx)
-    if state.ema is not None:
-        distributed.average_buffers(state.ema.model, ctx)
+    # Under DDP the ranks' BatchNorm statistics were averaged after the epoch's last step
+    # (engine._average_statistics): every rank scores the model rank 0 saves.
     # The model runs uncompiled here: evaluation is a tenth of an epoch's work, and compiling its
     # graph (a second graph, the last partial batch a third shape) would add a start-up wait of its own.
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
