@@ -63,15 +63,15 @@ def execute(cfg: Config) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
+    except distributed.PeerFailure as e:
+        # A peer that stalled or died is no bug here: one line, and status 1, after which a
+        # launcher may restart the group.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception:
         # A bug, not a user error: show it, and return so the interpreter can end the data
-        # workers (an exception escaping main could leave them waiting). A peer that stalled
-        # is no bug here: one line, and status 1, after which a launcher may restart the group.
-        timed_out = distributed.collective_timeout(e, cfg.dist_timeout)
-        if timed_out is None:
-            traceback.print_exc()
-        else:
-            print(f"error: {timed_out}", file=sys.stderr, flush=True)
+        # workers (an exception escaping main could leave them waiting).
+        traceback.print_exc()
         return 1
 
 
@@ -183,6 +183,11 @@ def run(cfg: Config) -> dict:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir(str(cfg.cache_dir or default_cache_dir())))
     try:
         return _run(plan.apply(cfg), ctx, plan, started, requested=cfg)
+    except RuntimeError as e:
+        failure = distributed.peer_failure(e, ctx, cfg.dist_timeout)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         distributed.cleanup(ctx)
 
