@@ -25,7 +25,7 @@ import torch
 from tests.helpers import digits_fixture, scratch
 
 REPO = Path(__file__).resolve().parents[1]
-EVERY = 4  # --save-every-steps: a failure may cost at most this many steps; the last step's checkpointed
+EVERY = 4  # --save-every-steps: a failure costs at most this many steps; a divisor of STEPS: the last step saves
 STEPS = 8  # per epoch: 70 training images, global batch 8 (the last 6 dropped)
 
 digits = digits_fixture(7, 1)
