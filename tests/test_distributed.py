@@ -337,6 +337,10 @@ def test_killed_rank_stops_the_launcher(dataset, tmp_path):
         assert status in (128 + signal.SIGKILL, 1), text
         assert "exited with status" in text
         assert took < 30
+        # rank 0 (the terminal) says which rank it lost in one line, not in gloo's traceback
+        assert "Traceback" not in text, text
+        assert len([ln for ln in error_lines(text) if ln.startswith("error: rank 1 died during a collective")]) == 1, \
+            text
         time.sleep(0.5)
         left = [pid for pid in ranks.values() if alive(pid)]
         assert not left, f"rank processes still running: {left}"
@@ -648,3 +652,38 @@ def test_a_collective_timeout_is_told_in_one_line(message, is_timeout):
         assert line.startswith("a collective operation timed out after 30 s waiting for a peer (--dist-timeout 30)")
     else:
         assert line is None
+
+
+GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] "
+GLOO_HINT = ". This is typically caused by a remote worker crashing. Check the logs of the remote worker."
+
+
+@pytest.mark.parametrize("message, world, rank, line", [
+    (f"{GLOO}Connection closed by peer [127.0.0.1]:23442{GLOO_HINT}", 2, 0,
+     "rank 1 died during a collective operation (its connection closed); its output (GPU_1.log under "
+     "python -m multiproc) and the launcher say why"),
+    (f"{GLOO}Read error [127.0.0.1]:21133: Connection reset by peer{GLOO_HINT}", 2, 1,
+     "rank 0 died during a collective operation (its connection closed); its output (the terminal under "
+     "python -m multiproc) and the launcher say why"),
+    (f"{GLOO}Connection closed by peer [10.0.0.7]:23442{GLOO_HINT}", 4, 0,
+     "another rank died during a collective operation (the connection to 10.0.0.7:23442 closed); "
+     "python -m multiproc names it and says how"),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "
+     "NCCL version 2.21.5 ncclRemoteError: A call failed possibly due to a network error or a remote process "
+     "exiting prematurely.", 2, 0, "rank 1 died during a collective operation"),
+    ("DataLoader worker (pid 123) exited unexpectedly", 2, 0, None),
+    ("Connection reset by peer", 2, 0, None),  # not from a collective
+])
+def test_a_dead_peer_is_told_in_one_line(message, world, rank, line):
+    """A peer killed mid-run (SIGKILL, out of memory) breaks the next collective: one line naming
+    the rank that died where the group has two, instead of the backend's traceback; status 1 as
+    for a stalled peer (main's execute)."""
+    from imagenet.parallel.distributed import DistContext, PeerFailure, peer_failure
+    ctx = DistContext("ddp", torch.device("cpu"), "test", rank=rank, world_size=world, backend="gloo")
+    failure = peer_failure(RuntimeError(message), ctx, 30)
+    if line is None:
+        assert failure is None
+    else:
+        assert isinstance(failure, PeerFailure) and str(failure).startswith(line) and "\n" not in str(failure)
+    timeout = peer_failure(RuntimeError("Timed out waiting 30000ms for recv operation to complete"), ctx, 30)
+    assert str(timeout).startswith("a collective operation timed out after 30 s")

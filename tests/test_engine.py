@@ -40,25 +40,58 @@ def skipping_precision():
     return MasterWeightPrecision(LossScaler(1.0, dynamic=False), model_dtype=torch.float32)
 
 
-def nan_run(nan_steps, limit, print_freq):
-    batches = loader(6)
+class Counted(list):
+    """A loader's batches, counting those the loop took."""
+
+    taken = 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.taken += 1
+            yield batch
+
+
+def nan_run(nan_steps, limit, print_freq, n_batches=6, ctx=CPU, batches=None):
+    batches = Counted(loader(n_batches)) if batches is None else batches
     for images, _, _ in batches[:nan_steps]:
         images[:] = float("nan")
     precision = skipping_precision()
     model = precision.prepare_model(net())
     opt = build_optimizer(precision.param_groups([{"params": list(model.parameters())}]), 0.1, 0.9, 0.0,
                           "foreach", torch.device("cpu"))
-    return epoch_of(model, batches, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), precision, CPU,
+    return epoch_of(model, batches, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), precision, ctx,
                     LoopOptions(print_freq=print_freq, input_shape=(3, 8, 8), max_nonfinite_steps=limit))
 
 
 @pytest.mark.parametrize("print_freq", [1, 100])
 def test_max_nonfinite_steps_n_stops_after_exactly_n_steps_in_a_row(print_freq):
-    # checked at print time only (no host sync per step): a run of 3 that ended before the check counts too
+    # a run of 3 that ends with the epoch counts too
     with pytest.raises(UserError, match="NaN/inf for 3 steps in a row"):
         nan_run(nan_steps=3, limit=3, print_freq=print_freq)
+    with pytest.raises(UserError, match="NaN/inf for 3 steps in a row"):
+        nan_run(nan_steps=6, limit=3, print_freq=print_freq)
     out = nan_run(nan_steps=2, limit=3, print_freq=print_freq)
     assert out.steps == 6 and out.skipped_steps == 2
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ddp"])
+def test_max_nonfinite_steps_is_checked_every_step_not_at_print_time(mode, tmp_path):
+    """With -p far above the epoch's steps and a limit of 3, every loss NaN: the run stops within a
+    step of the third (it read the count at print time only, and trained all 20). Under DDP the
+    count is the ranks' maximum (one rank here)."""
+    import torch.distributed as dist
+    ctx = CPU
+    if mode == "ddp":
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+        ctx = DistContext("ddp", torch.device("cpu"), "test", backend="gloo")
+    batches = Counted(loader(20))
+    try:
+        with pytest.raises(UserError, match="NaN/inf for 3 steps in a row"):
+            nan_run(nan_steps=20, limit=3, print_freq=1000, ctx=ctx, batches=batches)
+    finally:
+        if mode == "ddp":
+            dist.destroy_process_group()
+    assert 3 <= batches.taken <= 4
 
 
 # ------------------------------------------------------------------ DDP: a rank whose batch is empty

@@ -378,6 +378,42 @@ def collective_timeout(error: BaseException, timeout_s: int) -> Optional[str]:
             "another rank has stalled or died (python -m multiproc names it)")
 
 
+# How a collective fails when a peer's process is gone: gloo finds the connection to it closed
+# ("Connection closed by peer [127.0.0.1]:23442", "Read error [127.0.0.1]:21133: Connection reset
+# by peer", or a write's "Broken pipe"); NCCL, where it notices, reports a remote error.
+_PEER_LOST = re.compile(r"gloo/transport/tcp/.*(Connection closed by peer|Connection reset by peer|Broken pipe)"
+                        r"|ncclRemoteError")
+_PEER_ADDRESS = re.compile(r"\[([^\]]+)\]:(\d+)")
+
+
+def peer_lost(error: BaseException, ctx: DistContext) -> Optional[str]:
+    """One line saying what ``error`` means if it is a collective that failed because a peer's
+    connection closed under it (its process died: killed, out of memory, a crash), else None. In a
+    group of two the peer is the other rank; in a larger one the backend names an address, not a
+    rank, and the launcher says which rank it was."""
+    if not isinstance(error, RuntimeError) or not _PEER_LOST.search(str(error)):
+        return None
+    if ctx.world_size == 2:
+        peer = 1 - ctx.rank
+        where = f"GPU_{peer}.log" if peer else "the terminal"
+        return (f"rank {peer} died during a collective operation (its connection closed); its output ({where} "
+                "under python -m multiproc) and the launcher say why")
+    address = _PEER_ADDRESS.search(str(error))
+    seen = f" (the connection to {address.group(1)}:{address.group(2)} closed)" if address else ""
+    return f"another rank died during a collective operation{seen}; python -m multiproc names it and says how"
+
+
+class PeerFailure(Exception):
+    """A collective operation failed for want of another rank, which stalled or died: not a bug
+    of this process. The message is one line; the exit status 1 (a launcher may restart the group)."""
+
+
+def peer_failure(error: BaseException, ctx: DistContext, timeout_s: int) -> Optional[PeerFailure]:
+    """``error`` as a :class:`PeerFailure` if a peer caused it (a timeout, a lost connection), else None."""
+    line = collective_timeout(error, timeout_s) or peer_lost(error, ctx)
+    return PeerFailure(line) if line else None
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum a tensor over ranks (in place); no-op outside DDP."""
     if ctx.distributed:

@@ -81,6 +81,9 @@ def _spawned_worker(local_rank: int, run: Callable, cfg, n: int, node: int, node
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+    except distributed.PeerFailure as e:  # another rank stalled or died: one line, as execute says it
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Preempted as e:  # every rank stops at the same step; one line says how to resume
         if node * n + local_rank == 0:
             print(f"=> {e}", flush=True)

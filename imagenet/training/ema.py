@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..base.wrappers import unwrap
+from ..parallel.distributed import DistContext, average_buffers
 from ..precision import Precision
 
 
@@ -39,6 +40,7 @@ class ModelEma:
         self._dst_buf = [d for d, s in buffers if d.is_floating_point()]
         self._src_buf = [s for d, s in buffers if d.is_floating_point()]
         self._counters = [(d, s) for d, s in buffers if not d.is_floating_point()]
+        self._averaged = False  # the statistics are the ranks' mean and no update came since
 
     @torch.no_grad()
     def update(self, stepped: torch.Tensor) -> None:
@@ -49,6 +51,7 @@ class ModelEma:
         warm-up's clock) counts every step, skipped or not.
         """
         self.updates += 1
+        self._averaged = False
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
         # avg = keep * lerp(avg, w, 1 - d) + (1 - keep) * avg, in four multi-tensor passes: with
         # keep 1 this is exactly the lerp (avg * 0 adds a zero), with keep 0 exactly the average
@@ -66,9 +69,21 @@ class ModelEma:
         for dst, src in self._counters:
             dst.copy_(src)
 
+    def average_statistics(self, ctx: DistContext) -> None:
+        """Under DDP, set the average's BatchNorm statistics to their mean over the ranks, the same
+        on every rank (each rank's follow its own batches' statistics). Once per update: a second
+        call before the next update changes nothing (every rank calls it at the same points: it is
+        a collective). The mean of the ranks' averages is the average of the ranks' mean, so taking
+        it at a mid-epoch checkpoint too changes no result, and a run resumed there (every rank
+        loads rank 0's) continues from the values every rank of this run holds."""
+        if not self._averaged:
+            average_buffers(self.model, ctx)
+            self._averaged = True
+
     def state_dict(self) -> dict:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict, updates: int) -> None:
         self.model.load_state_dict(state)
         self.updates = updates
+        self._averaged = True  # every rank loads the same

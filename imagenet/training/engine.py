@@ -4,7 +4,8 @@ return small results (:class:`TrainResult`, :class:`ValResult`).
 The loops never branch on precision (the :mod:`precision` object hides it). On the launch mode
 they branch only where DDP needs it: the reductions of :mod:`distributed`, ``no_sync`` for
 accumulated micro-batches, a zero-weight stand-in batch where a rank's batch is empty, and the
-rate summed over ranks. Device values are read only at print time.
+rate summed over ranks. Device values are read only at print time, but for the count of
+non-finite losses, which each step reads of the step before (:class:`NonfiniteWatch`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.metrics import AverageMeter, DeviceSums, means
-from ..base.wrappers import ddp_of
-from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum
+from ..base.wrappers import ddp_of, unwrap
+from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum, average_buffers
 
 logger = logging.getLogger(__name__)
 _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
@@ -120,9 +121,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     sums = DeviceSums(ctx.device)
     if progress.sums and ctx.is_main:  # counted once, on one rank: the totals are summed over ranks
         sums.seed(progress.sums)
-    nonfinite_run = torch.zeros((), dtype=torch.long, device=ctx.device)
-    # the longest run so far: checked at print time only, when the run may have ended already
-    nonfinite_worst = torch.zeros((), dtype=torch.long, device=ctx.device)
+    watch = NonfiniteWatch(opts.max_nonfinite_steps, precision.name, ctx)
     batch_time, data_time = AverageMeter(), AverageMeter()
     skipped_paths: list = []
     total = (start_step + len(loader)) // accum * accum  # a last incomplete group is dropped, like drop_last
@@ -148,14 +147,15 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         if images is not None:
             group.append(_Pass(i, images, targets, weight))
         if last_micro and group:
-            # consecutive optimizer steps with a NaN/inf loss (any of their passes)
-            nonfinite_run = (nonfinite_run + 1) * _group_passes(state, group, sums, epoch)
-            nonfinite_worst = torch.maximum(nonfinite_worst, nonfinite_run)
+            nonfinite = _group_passes(state, group, sums, epoch)
             _optimizer_step(state, first=steps == 0)
+            watch.step(nonfinite)  # stops the run where the steps before had NaN/inf losses too often in a row
             steps, group = steps + 1, []
             rate.stepped(steps)
         elif last_micro:  # nothing readable in the group (outside DDP): no optimizer step, but the schedule's
             _schedule(state.scheduler, first=steps == 0)
+        if done == n:  # the epoch's last step: before its checkpoint (on_step) and the validation
+            _average_statistics(state, ctx)
         batch_time.update(time.perf_counter() - end)
         end = time.perf_counter()
         rate.asking()
@@ -164,7 +164,6 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         if not last_micro:
             continue  # a group's batches are trained on together, after its last one
         if i // opts.print_freq != (i - accum) // opts.print_freq or i == n - 1:
-            _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
             avg = sums.totals(ctx, all_reduce_sum)
             if bar is not None:
                 bar.set_postfix(loss=f"{avg['loss']:.4f}", acc1=f"{avg['acc1']:.2f}")
@@ -179,7 +178,7 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
         bar.close()
     steady = rate.finish()
     elapsed = time.perf_counter() - start
-    _check_finite(nonfinite_worst, opts.max_nonfinite_steps, precision, ctx)
+    watch.finish()
     partial = sums.raw(ctx, all_reduce_sum)
     totals = means(partial)
     return TrainResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
@@ -187,6 +186,19 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
                        img_per_s=steady.img_per_s * (ctx.world_size if ctx.distributed else 1),
                        data_wait_frac=steady.data_wait_frac, steady=steady, seconds=elapsed,
                        skipped_paths=skipped_paths, completed=completed, steps_done=done, sums=partial)
+
+
+def _average_statistics(state, ctx: DistContext) -> None:
+    """Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
+    come from its own batches. After the epoch's last optimizer step every rank sets them to
+    their mean over the ranks, once: the checkpoint of that step, the model every rank validates
+    and the epoch's checkpoint hold the same statistics, so -e on a checkpoint reproduces the
+    epoch's Acc@1 and a run resumed at that step (it trains no more of the epoch) ends as an
+    uninterrupted one. Mid-epoch nothing needs it: DDP hands rank 0's statistics to every rank
+    at each forward pass, and those are what a checkpoint holds."""
+    average_buffers(unwrap(state.model), ctx)
+    if state.ema is not None:
+        state.ema.average_statistics(ctx)
 
 
 def _trainable(images, targets, bad: list, last_good: Optional[tuple], ctx: DistContext, opts: LoopOptions) -> tuple:
@@ -378,13 +390,59 @@ def _stand_in_batch(shape: tuple, device: torch.device) -> tuple:
     return torch.zeros((2, *shape), device=device), torch.zeros(2, dtype=torch.long, device=device)
 
 
-def _check_finite(run: torch.Tensor, limit: int, precision, ctx: DistContext) -> None:
-    # The worst rank decides, so that every rank stops at the same step instead of one waiting.
-    run = all_reduce_max(run.clone(), ctx)
-    if limit and int(run) >= limit:
-        raise UserError(f"the loss was NaN/inf for {int(run)} steps in a row ({precision.name}); "
-                        "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
-                        "or raise --max-nonfinite-steps (0 disables this check)")
+class NonfiniteWatch:
+    """``--max-nonfinite-steps``: counts the optimizer steps in a row with a NaN/inf loss (in any
+    of their passes, on any rank) and stops the run once the count reaches the limit, a step late
+    at most, without a host sync per step.
+
+    The count stays on the device. Under DDP each step takes its maximum over the ranks (an
+    all-reduce of one number, which NCCL queues without the host waiting), so that every rank
+    stops at the same step instead of one waiting for the others. On a GPU each step's count is
+    copied to pinned host memory behind an event; the next step reads it once the event is done:
+    the host then waits at most for the previous step to finish while this one is queued, so the
+    device never idles for it. On a CPU the count is read at once."""
+
+    def __init__(self, limit: int, precision_name: str, ctx: DistContext):
+        self.limit, self.precision_name, self.ctx = limit, precision_name, ctx
+        self.run = torch.zeros((), dtype=torch.long, device=ctx.device)
+        self.cuda = ctx.device.type == "cuda"
+        self.pending: Optional[tuple] = None  # the last step's count on its way: (pinned tensor, event)
+        if self.cuda and limit:
+            # two of each, used in turn: one is being written while the other is read
+            self.slots = [(torch.zeros((), dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
+
+    def step(self, nonfinite: torch.Tensor) -> None:
+        """After an optimizer step; ``nonfinite``: its device flag, a pass's loss was NaN/inf."""
+        self.run = (self.run + 1) * nonfinite
+        if not self.limit:
+            return
+        worst = all_reduce_max(self.run.clone(), self.ctx)
+        if not self.cuda:
+            self._check(int(worst))
+            return
+        previous, (host, event) = self.pending, self.slots[0]
+        host.copy_(worst, non_blocking=True)
+        event.record()
+        self.pending, self.slots = (host, event), self.slots[::-1]
+        if previous is not None:
+            self._read(previous)
+
+    def finish(self) -> None:
+        """The loop ended: read the last step's count."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._read(pending)
+
+    def _read(self, pending: tuple) -> None:
+        host, event = pending
+        event.synchronize()
+        self._check(int(host))
+
+    def _check(self, run: int) -> None:
+        if run >= self.limit:
+            raise UserError(f"the loss was NaN/inf for {run} steps in a row ({self.precision_name}); "
+                            "training is producing garbage: lower --lr, add --warmup-epochs, check the data, "
+                            "or raise --max-nonfinite-steps (0 disables this check)")
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.processenv import ProcessEnv, set_process_env
 from ..base.torch_private import set_last_lr
-from ..base.wrappers import uncompiled, unwrap
+from ..base.wrappers import uncompiled
 from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
@@ -68,15 +68,15 @@ def execute(cfg: Config, env: Optional[ProcessEnv] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
+    except distributed.PeerFailure as e:
+        # A peer that stalled or died is no bug here: one line, and status 1, after which a
+        # launcher may restart the group.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception:
         # A bug, not a user error: show it, and return so the interpreter can end the data
-        # workers (an exception escaping main could leave them waiting). A peer that stalled
-        # is no bug here: one line, and status 1, after which a launcher may restart the group.
-        timed_out = distributed.collective_timeout(e, cfg.dist_timeout)
-        if timed_out is None:
-            traceback.print_exc()
-        else:
-            print(f"error: {timed_out}", file=sys.stderr, flush=True)
+        # workers (an exception escaping main could leave them waiting).
+        traceback.print_exc()
         return 1
 
 
@@ -199,6 +199,11 @@ def run(cfg: Config, env: Optional[ProcessEnv] = None) -> dict:
     try:
         with contextlib.ExitStack() as held:  # what the run holds open (the data's files) is released at its end
             return _run(plan.apply(cfg), ctx, plan, started, requested=cfg, held=held)
+    except RuntimeError as e:
+        failure = distributed.peer_failure(e, ctx, cfg.dist_timeout)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         distributed.cleanup(ctx)
 
@@ -404,12 +409,8 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
 def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOptions) -> tuple:
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
-    # Under DDP each rank's BatchNorm statistics (and the weight average's, which follow them)
-    # come from its own batches. Every rank takes their mean before validating, so the model each
-    # rank scores is the one rank 0 then saves: -e on the checkpoint reproduces the epoch's Acc@1.
-    distributed.average_buffers(unwrap(state.model), ctx)
-    if state.ema is not None:
-        distributed.average_buffers(state.ema.model, ctx)
+    # Under DDP the ranks' BatchNorm statistics were averaged after the epoch's last step
+    # (engine._average_statistics): every rank scores the model rank 0 saves.
     # The model runs uncompiled here: evaluation is a tenth of an epoch's work, and compiling its
     # graph (a second graph, the last partial batch a third shape) would add a start-up wait of its own.
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,

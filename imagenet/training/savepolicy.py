@@ -30,6 +30,8 @@ class CheckpointPolicy:
     def save(self, state: TrainState, progress: Progress, is_best: bool = False) -> None:
         if not self.writes:
             return
+        if state.ema is not None:  # the ranks' mean, which every rank resuming here then holds
+            state.ema.average_statistics(self.ctx)
         rng = distributed.gather_objects(ckpt_io.capture_rng(), self.ctx)
         if not self.ctx.is_main:
             return
