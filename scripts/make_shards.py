@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", force=True)
     try:
         # here, not at the top: importing torch and PIL takes seconds, and a Ctrl-C then is one line too
-        from imagenet.data.shardwriter import BAD_FILES, make_shards, parse_size
+        from imagenet.data.shards.writer import BAD_FILES, make_shards, parse_size
         if args.workers < 0:
             raise UserError(f"--workers must be 0 or more, got {args.workers}")
         report = make_shards(args.src, args.out, shard_size=parse_size(args.shard_size), seed=args.seed,

@@ -22,7 +22,7 @@ import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from imagenet.base.errors import EXIT_USER_ERROR, UserError  # noqa: E402
-from imagenet.data import prepare  # noqa: E402
+from imagenet.data.images import prepare  # noqa: E402
 
 logger = logging.getLogger("prepare_dataset")
 

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from imagenet.base.errors import UserError
-from imagenet.data import prepare
+from imagenet.data.images import prepare
 
 SIZE = 28
 
@@ -113,7 +113,7 @@ def photo(h: int, w: int, seed: int) -> Image.Image:
 
 def garbage_job(path: str = "garbage.JPEG"):
     """A --decode gpu job whose header passed the worker's check, then bytes no decoder can read."""
-    from imagenet.data.gpudecode import JpegJob
+    from imagenet.data.gpu.decode import JpegJob
     return JpegJob(b"\xff\xd8garbage" * 8, path, "train", (0, 0, 8, 8), 32, size=(8, 8))
 
 

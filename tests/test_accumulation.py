@@ -192,7 +192,7 @@ def test_trainer_keeps_the_schedule_when_a_whole_group_is_unreadable(digits, tmp
     import shutil
     from pathlib import Path
 
-    from imagenet.data.folder import SafeImageFolder
+    from imagenet.data.images.folder import SafeImageFolder
     from imagenet.data.samplers import SeededSampler
     root = tmp_path / "data"
     shutil.copytree(digits, root)

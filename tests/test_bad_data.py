@@ -26,7 +26,7 @@ from torchvision.datasets.folder import default_loader
 
 from imagenet.base.config import Config
 from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder
+from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.loaders import build_datasets
 from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD, train_transform, val_transform
 from tests.helpers import scratch

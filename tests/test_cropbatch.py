@@ -1,4 +1,4 @@
-"""--decode cpu on a GPU: workers crop, the batched kernel resizes and flips (imagenet.data.cropbatch).
+"""--decode cpu on a GPU: workers crop, the batched kernel resizes and flips (imagenet.data.images.cropbatch).
 
 The kernel runs under Triton's interpreter on a CPU (in a subprocess: TRITON_INTERPRET is read
 when the kernel is defined), compiled on a GPU.
@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from imagenet.base.config import Config
-from imagenet.data.cropbatch import CpuCrop, CropBatch, TrainCropReader
+from imagenet.data.images.cropbatch import CpuCrop, CropBatch, TrainCropReader
 from imagenet.data.decode import TrainDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder
+from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.loaders import build_datasets, collate_skipping
 from imagenet.data.transforms import resize_on_device, set_output_size
 from imagenet.kernels import gpugeometry

@@ -19,7 +19,7 @@ from torchvision.datasets.folder import default_loader
 from imagenet.base.config import Config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
-from imagenet.data.folder import SafeImageFolder, check_layout
+from imagenet.data.images.folder import SafeImageFolder, check_layout
 from imagenet.data.loaders import DataBundle, build_datasets, build_loaders, collate_skipping, per_process_batch
 from imagenet.data.samplers import ShardSampler
 from imagenet.data.synthetic import SyntheticDataset

@@ -134,7 +134,7 @@ def test_the_plain_command_trains_on_the_fast_path_under_ddp(tmp_path, precision
     assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
 
 
-# --decode auto: where JPEGs are decoded, decided with the other defaults (imagenet/data/decodechoice.py)
+# --decode auto: where JPEGs are decoded, decided with the other defaults (imagenet/data/gpu/choice.py)
 def machine(cpus_per_gpu, device="cuda", mode="gpu", gpu_decode=True, gpus_per_process=1, jpeg=None):
     return Machine(device, mode, triton=device == "cuda", cpus_per_gpu=cpus_per_gpu,
                    gpus_per_process=gpus_per_process, gpu_decode=gpu_decode, jpeg=jpeg)
@@ -178,7 +178,7 @@ def test_decode_auto_is_the_default_and_a_cpu_run_says_nothing_of_it():
 
 
 def test_images_are_jpeg_looks_at_the_first_class_folder(tmp_path):
-    from imagenet.data.folder import images_are_jpeg
+    from imagenet.data.probe import images_are_jpeg
     assert images_are_jpeg(str(tmp_path)) is None  # nothing to look at: shards, a URL, no folder yet
     (tmp_path / "train" / "a" / "sub").mkdir(parents=True)
     (tmp_path / "train" / "a" / "notes.txt").write_text("x")

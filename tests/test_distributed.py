@@ -189,7 +189,7 @@ sys.path.insert(0, sys.argv[1])
 from imagenet.parallel import distributed
 from imagenet.base.config import parse_config
 from imagenet.data.loaders import DataBundle, build_loaders
-from imagenet.data.folder import SafeImageFolder
+from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from imagenet.training.engine import LoopOptions, train_one_epoch
 from imagenet.models.registry import create_model
@@ -502,7 +502,7 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     DistributedSampler, seed and epoch as data.build_loaders), so that rank has nothing to train
     on at step 0 while rank 0 has a full batch."""
     from torch.utils.data.distributed import DistributedSampler
-    from imagenet.data.folder import SafeImageFolder
+    from imagenet.data.images.folder import SafeImageFolder
 
     root = tmp_path / "data"
     shutil.copytree(dataset["root"], root)

@@ -235,7 +235,7 @@ def test_nvjpeg_decode_matches_the_cpu_decode_path(tmp_path):
     """--decode gpu on the GPU: the same JpegJobs decoded by nvJPEG and by the CPU give the same
     crops within rounding (the issue's 'GPU decode path matches the CPU path')."""
     from imagenet.data.decode import TrainDecoder, ValDecoder
-    from imagenet.data.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
+    from imagenet.data.gpu.decode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
     from tests.helpers import photo
 
     paths = []

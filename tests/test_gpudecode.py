@@ -15,11 +15,11 @@ from PIL import Image
 from imagenet.base.config import Config, validate
 from imagenet.base.errors import UserError
 from imagenet.cli import main
-from imagenet.data import gpujpeg
+from imagenet.data.gpu import jpeg as gpujpeg
 from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder
-from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
-from imagenet.data.inputaccount import STAGES
+from imagenet.data.images.folder import SafeImageFolder
+from imagenet.data.gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.data.gpu.account import STAGES
 from imagenet.data.loaders import collate_skipping
 from imagenet.data.prefetch import DeviceLoader
 from imagenet.data.transforms import set_output_size

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 def cases(seed: int, n: int, size: int, device: str):
     """Random CHW uint8 images with train boxes (some flipped) and val resize+crop geometry."""
-    from imagenet.data.gpudecode import JpegJob
+    from imagenet.data.gpu.decode import JpegJob
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -41,7 +41,7 @@ def cases(seed: int, n: int, size: int, device: str):
 
 def compare(seed=0, n=9, size=20, device="cpu") -> dict:
     """Batched kernel vs per-image path on the same rows (one already-decoded 'ready' row too)."""
-    from imagenet.data.gpudecode import _batched, _per_image
+    from imagenet.data.gpu.decode import _batched, _per_image
     from imagenet.kernels import gpugeometry as G
     full = cases(seed, n, size, device)
     samplings = [G.Sampling.train(job.box, job.out) if job.kind == "train"
@@ -115,7 +115,7 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
     per-image path's (one level), and PIL's within what nvJPEG's own decode allows."""
     from imagenet.kernels import gpugeometry
     from imagenet.data.decode import TrainDecoder, ValDecoder
-    from imagenet.data.gpudecode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
+    from imagenet.data.gpu.decode import JpegBatch, TrainJpegReader, ValJpegReader, decode_batch
     from tests.helpers import garbage_job, photo
     paths = []
     for i, (h, w) in enumerate([(375, 500), (500, 375), (333, 250), (97, 131), (64, 64)]):

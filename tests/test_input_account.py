@@ -1,4 +1,4 @@
-"""The --decode gpu input account (imagenet.data.inputaccount): the workers' times carried with
+"""The --decode gpu input account (imagenet.data.gpu.account): the workers' times carried with
 each batch, the decode thread's waits and work, the epoch's line, and the input-bound line that
 reads it (imagenet.training.runlog.input_hint): which stage it names, in which words."""
 
@@ -10,10 +10,10 @@ import torch
 
 from imagenet.base.config import Config
 from imagenet.data.decode import TrainDecoder, ValDecoder
-from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, _read_bytes
-from imagenet.data.inputaccount import STAGES, InputAccount, describe, limiting_stage
+from imagenet.data.gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, _read_bytes
+from imagenet.data.gpu.account import STAGES, InputAccount, describe, limiting_stage
 from imagenet.data.prefetch import DeviceLoader
-from imagenet.data.shards import SampleBytes
+from imagenet.data.shards.dataset import SampleBytes
 from imagenet.training.runlog import RunLog, input_hint
 from tests.helpers import photo
 

@@ -2,7 +2,9 @@
 can fail: a planted upward import and a planted cycle each break it.
 
 Layers, top to bottom: cli; training; data | parallel | models | precision (independent of
-each other); kernels; base. Each package's ``__init__`` docstring says what it may import.
+each other); kernels; base. Inside ``data``: loaders; prefetch | dataorder | probe; shards;
+gpu | images; the shared modules; decode, with gpu and shards independent of each other. Each
+package's ``__init__`` docstring says what it may import.
 """
 
 import ast
@@ -16,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / ".importlinter"
-PACKAGES = ("base", "kernels", "models", "precision", "data", "parallel", "training")
+PACKAGES = ("base", "kernels", "models", "precision", "data", "data/images", "data/shards", "data/gpu", "parallel",
+            "training")
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
@@ -32,7 +35,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_layering_contracts_are_kept():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 kept, 0 broken" in r.stdout, r.stdout
+    assert "4 kept, 0 broken" in r.stdout, r.stdout
 
 
 @pytest.fixture
@@ -58,6 +61,21 @@ def test_an_import_between_independent_packages_breaks_the_layers(package_copy):
     r = _lint(package_copy)
     assert r.returncode != 0
     assert "imagenet.data.mixing -> imagenet.parallel.distributed" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    ("data/gpu/jpeg.py", "from ..shards import index  # planted", "imagenet.data.gpu.jpeg -> imagenet.data.shards.index"),
+    ("data/shards/dataset.py", "from ..gpu import jpeg  # planted",
+     "imagenet.data.shards.dataset -> imagenet.data.gpu.jpeg"),
+    ("data/images/folder.py", "from ..gpu import choice  # planted",
+     "imagenet.data.images.folder -> imagenet.data.gpu.choice"),
+    ("data/decode.py", "from .images import folder  # planted", "imagenet.data.decode -> imagenet.data.images.folder"),
+], ids=["gpu-to-shards", "shards-to-gpu", "images-to-gpu", "shared-to-images"])
+def test_an_import_between_the_data_paths_breaks_their_contracts(package_copy, module, line, broken):
+    _plant(package_copy, module, line)
+    r = _lint(package_copy)
+    assert r.returncode != 0
+    assert broken in r.stdout, r.stdout
 
 
 def test_a_cycle_inside_a_package_breaks_the_contract(package_copy):

@@ -1,4 +1,4 @@
-"""Tests for dataset export (imagenet/data/prepare.py) and the two data-preparation scripts."""
+"""Tests for dataset export (imagenet/data/images/prepare.py) and the two data-preparation scripts."""
 
 import gzip
 import importlib.util
@@ -16,7 +16,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # no install step: the tests import the package from the checkout
 from imagenet.base.errors import UserError  # noqa: E402
-from imagenet.data import prepare  # noqa: E402
+from imagenet.data.images import prepare  # noqa: E402
 
 PREPARE_DATASET = REPO / "scripts" / "prepare_dataset.py"
 PREPARE_VAL = REPO / "scripts" / "prepare_imagenet_val.py"
@@ -169,7 +169,7 @@ def test_ensure_builtin_mnist_rejects_foreign_dir(tmp_path):
 
 @pytest.mark.mnist_wheel
 def test_ensure_builtin_mnist_concurrent(tmp_path):
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from imagenet.data.prepare import ensure_builtin_mnist; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from imagenet.data.images.prepare import ensure_builtin_mnist; "
             "print(ensure_builtin_mnist(sys.argv[2]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(REPO), str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

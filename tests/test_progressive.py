@@ -8,7 +8,7 @@ from imagenet.base.config import Config, validate
 from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.data.decode import TrainDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder
+from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.samplers import SeededSampler
 from imagenet.data.transforms import image_size_at, set_output_size, train_transform
 from tests.helpers import tiny_run_args

@@ -25,7 +25,8 @@ from imagenet.base.config import Config
 from imagenet.base.errors import UserError
 from imagenet.base.metrics import DeviceSums, means
 from imagenet.cli import main
-from imagenet.data import dataorder, shardwriter
+from imagenet.data import dataorder
+from imagenet.data.shards import writer as shardwriter
 from imagenet.data.loaders import build_datasets
 from imagenet.data.samplers import SeededSampler, ShardWindowSampler
 from imagenet.training import engine

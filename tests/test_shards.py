@@ -26,15 +26,16 @@ import torch
 from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
-from imagenet.data import shardwriter
+from imagenet.data.shards import writer as shardwriter
 from imagenet.data.decode import TrainDecoder, path_identity
-from imagenet.data.folder import SafeImageFolder, images_are_jpeg
-from imagenet.data.gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, decode_batch
+from imagenet.data.images.folder import SafeImageFolder
+from imagenet.data.probe import images_are_jpeg
+from imagenet.data.gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, decode_batch
 from imagenet.data.loaders import build_datasets, build_loaders
-from imagenet.data.remote import local_copy
+from imagenet.data.shards.remote import local_copy
 from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
-from imagenet.data.shardindex import read_index, shard_name
-from imagenet.data.shards import SampleBytes, ShardDataset
+from imagenet.data.shards.index import read_index, shard_name
+from imagenet.data.shards.dataset import SampleBytes, ShardDataset
 from tests.helpers import assert_same_run, interrupt_after_step, last_checkpoint, make_digits, photo, scratch
 
 REPO = Path(__file__).resolve().parents[1]

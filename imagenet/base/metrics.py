@@ -139,7 +139,7 @@ class EpochRecord:
     decoded_on_gpu: Optional[int] = None
     decode_fallbacks: Optional[int] = None
     # --decode gpu: milliseconds per training batch in each stage of the input path, this
-    # process's (imagenet.data.inputaccount), and "batches", how many it covers
+    # process's (imagenet.data.gpu.account), and "batches", how many it covers
     input_stages: Optional[dict] = None
 
     OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages")

@@ -1,27 +1,21 @@
 """The input pipeline: from files to batches on the training device.
 
-* ``folder`` -- ImageFolder datasets, the layout checks, unreadable files skipped and counted.
-* ``shardindex`` -- the tar-shard format: ``index.json``, the per-sample tables, start-up checks.
-* ``shards`` -- tar-shard datasets: a shard folder recognised, samples read with one pread each.
-* ``shardwriter`` -- ``scripts/make_shards.py``: an image folder packed into tar shards, restartably.
-* ``remote`` -- shard folders behind a URL (fsspec), copied once into a local cache.
-* ``synthetic`` -- ``--dummy``: batches made once on the device.
-* ``transforms`` -- crop and resize geometry, torchvision's classic transforms, augmentation
-  policies, the crop size per epoch (``--progressive-resize``).
-* ``decode`` -- the fast CPU path: decode, crop, resize and flip in the workers (PIL).
-* ``cropbatch`` -- ``--decode cpu`` on a GPU: workers crop, the device resizes and flips.
-* ``gpudecode`` -- ``--decode gpu``: workers read bytes and draw crops, nvJPEG decodes.
-* ``gpujpeg`` -- the GPU JPEG decoder behind one interface (torchvision's nvJPEG op, else TorchCodec).
-* ``decodechoice`` -- ``--decode auto``: CPU or GPU decoding from what the machine has.
-* ``inputaccount`` -- where a ``--decode gpu`` batch's time goes, per stage, per epoch.
-* ``samplers`` -- which images a rank reads in an epoch, with per-sample augmentation seeds
-  (over tar shards: shards shuffled, then a window of them at a time).
-* ``dataorder`` -- what decides the training data's order, as a fingerprint checkpoints keep.
-* ``loaders`` -- datasets and loaders of a run, collation, per-process batch sizes.
-* ``prefetch`` -- the device loader: copies, normalisation and layout on the device, ahead;
-  ``--decode gpu``'s decode thread.
-* ``mixing`` -- mixup and CutMix on the device.
-* ``prepare`` -- the built-in MNIST-5k export and dataset conversions.
+Three sub-packages, one per input path, and the modules every path shares:
+
+* ``images/`` -- image folders: the layout checks and unreadable files (``folder``), the CPU
+  crop with the resize on the device (``cropbatch``), array datasets exported as folders
+  (``prepare``: the built-in MNIST-5k, Fashion-MNIST).
+* ``shards/`` -- tar shards: the format and its index (``index``), the dataset (``dataset``),
+  ``scripts/make_shards.py``'s converter (``writer``), shard folders behind a URL (``remote``).
+* ``gpu/`` -- ``--decode gpu``: workers read bytes, the GPU decodes (``decode``), the JPEG decoder
+  (``jpeg``), ``--decode auto``'s choice (``choice``), the input account (``account``).
+* shared, below them: ``decode`` (the CPU decode: PIL decode, crop, resize, flip), ``transforms``,
+  ``samplers``, ``synthetic`` (``--dummy``), ``mixing`` (mixup, CutMix).
+* above them: ``loaders`` (a run's datasets and loaders), ``prefetch`` (the device loader and
+  the decode thread), ``dataorder`` (the order's fingerprint), ``probe`` (what a folder holds).
+
+The sub-packages import the shared modules, never the modules above them; ``gpu`` and
+``shards`` never import each other, and ``images`` neither of them (``.importlinter``).
 
 May import: ``imagenet.base``, ``imagenet.kernels``.
 """

@@ -18,8 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from .folder import SafeImageFolder
-from .shards import ShardDataset
+from .images.folder import SafeImageFolder
+from .shards.dataset import ShardDataset
 
 FOLDER, SHARDS = "image folder", "tar shards"
 

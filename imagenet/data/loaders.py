@@ -18,16 +18,16 @@ from torchvision.datasets.folder import default_loader
 
 from ..base.errors import UserError
 from ..base.paths import default_cache_dir
-from . import gpujpeg
-from .cropbatch import CpuCrop, CropBatch, TrainCropReader
+from .gpu import jpeg as gpujpeg
+from .images.cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
-from .folder import SafeImageFolder, check_layout
-from .gpudecode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
+from .images.folder import SafeImageFolder, check_layout
+from .gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
-from .remote import CacheLease, is_url, local_copy
+from .shards.remote import CacheLease, is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
-from .shardindex import ShardIndex
-from .shards import ShardDataset, find_shards, open_rgb
+from .shards.index import ShardIndex
+from .shards.dataset import ShardDataset, find_shards, open_rgb
 from .synthetic import SyntheticDataset, SyntheticLoader
 from .transforms import (IMAGENET_MEAN, IMAGENET_STD, ValGeometry, augment_policy, resize_on_device, train_transform,
                          val_geometry, val_transform)

@@ -12,7 +12,7 @@ up to ``depth`` batches ahead. The decoder call waits on the host for its decode
 training thread it would hold up the step's own launches. One thread is enough: the decoder
 takes a whole batch per call, and more calls side by side did not raise the rate (docs/INPUT.md).
 The thread keeps an account of its waits and work, of the GPU time of its kernels and of the
-workers' own times that came with each batch (:mod:`imagenet.data.inputaccount`), read per
+workers' own times that came with each batch (:mod:`imagenet.data.gpu.account`), read per
 epoch with :meth:`DeviceLoader.stage_account`.
 """
 
@@ -26,10 +26,10 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from . import gpujpeg
-from .cropbatch import CropBatch
-from .gpudecode import JpegBatch, decode_batch
-from .inputaccount import InputAccount
+from .gpu import jpeg as gpujpeg
+from .images.cropbatch import CropBatch
+from .gpu.decode import JpegBatch, decode_batch
+from .gpu.account import InputAccount
 
 
 class Normalize:
@@ -89,7 +89,7 @@ class DeviceLoader:
 
     def stage_account(self) -> dict:
         """Milliseconds per batch in each stage of the background thread's input path since the
-        last call (:meth:`imagenet.data.inputaccount.InputAccount.take`; empty on the other paths)."""
+        last call (:meth:`imagenet.data.gpu.account.InputAccount.take`; empty on the other paths)."""
         return self.account.take()
 
     def _to_device(self, batch) -> tuple:

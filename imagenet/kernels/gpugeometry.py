@@ -1,7 +1,7 @@
 """Crop, resize and flip a whole batch of decoded images in one kernel launch.
 
 Used by ``--decode gpu`` (nvJPEG's CHW images) and by ``--decode cpu`` on a GPU (the workers'
-HWC crops, :mod:`imagenet.data.cropbatch`). The decoded images (uint8, each its own size, CHW or
+HWC crops, :mod:`imagenet.data.images.cropbatch`). The decoded images (uint8, each its own size, CHW or
 HWC) are laid end to end in one flat buffer; one small table per batch says, for each image,
 where it starts, how its pixels are laid out, which region of it the output samples, at what
 scale, and whether to flip. One Triton kernel then writes every output pixel

@@ -4,7 +4,7 @@ On a GPU the plain command (``main.py DIR -a resnet50 -b 256 --fp16``) trains in
 that is safe for it: channels_last tensors, the stem max-pool and the fused BatchNorm + add +
 ReLU on our Triton kernels, and the model compiled with CUDA graphs (``--compile
 reduce-overhead``), and JPEGs decoded on the GPU where too few CPU cores per GPU would decode
-them (``--decode auto``, decided by :func:`imagenet.data.decodechoice.choose`). On a CPU nothing
+them (``--decode auto``, decided by :func:`imagenet.data.gpu.choice.choose`). On a CPU nothing
 changes. :func:`resolve`
 decides each of them from the config and the machine alone (a pure function, so tests can ask it
 about any machine), and returns every choice it made by itself with its reason and the flag that
@@ -23,9 +23,9 @@ from typing import Optional
 
 from ..base.config import Config
 from ..base.processenv import INDUCTOR_CACHE, MAX_CONNECTIONS, MAX_CONNECTIONS_VALUE, ProcessEnv
-from ..data.decodechoice import choose as choose_decode
-from ..data.decodechoice import gpu_decoder_available
-from ..data.folder import images_are_jpeg
+from ..data.gpu.choice import choose as choose_decode
+from ..data.gpu.choice import gpu_decoder_available
+from ..data.probe import images_are_jpeg
 
 
 def usable_cpus() -> int:
@@ -57,7 +57,7 @@ class Machine:
     triton: bool  # Triton compiles for this GPU (our kernels and Inductor's need it)
     cpus_per_gpu: int = 1  # CPU cores of this machine over the GPUs training on it (--decode auto)
     gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
-    gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpujpeg)
+    gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpu.jpeg)
     jpeg: Optional[bool] = None  # the training images are JPEGs (None: not known, e.g. behind a URL)
 
     @classmethod

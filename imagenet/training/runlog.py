@@ -17,9 +17,9 @@ from typing import Optional
 
 import yaml
 
-from ..data.decodechoice import CPU_DECODE_CORES
-from ..data.inputaccount import describe as describe_stages
-from ..data.inputaccount import limiting_stage, worker_ms
+from ..data.gpu.choice import CPU_DECODE_CORES
+from ..data.gpu.account import describe as describe_stages
+from ..data.gpu.account import limiting_stage, worker_ms
 from .defaults import local_processes, usable_cpus
 from .engine import Steady, TrainResult
 from .tblog import TensorBoardLog
@@ -98,7 +98,7 @@ class RunLog:
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
         """One epoch's metrics row (``--prof``: in prof.jsonl), its TensorBoard scalars, and what its
         line should tell; ``stages``: the ``--decode gpu`` input account of its training batches, this process's
-        (:mod:`imagenet.data.inputaccount`), which names the stage an input-bound epoch waited for."""
+        (:mod:`imagenet.data.gpu.account`), which names the stage an input-bound epoch waited for."""
         if not self.active:
             return
         with open(self.metrics_path, "a") as fh:

@@ -116,7 +116,7 @@ def _resolve_data_root(cfg: Config) -> Optional[str]:
         return None
     if cfg.data:
         return cfg.data
-    from ..data.prepare import ensure_builtin_mnist
+    from ..data.images.prepare import ensure_builtin_mnist
     return str(ensure_builtin_mnist(cfg.cache_dir or default_cache_dir()))
 
 

@@ -296,7 +296,7 @@ def bench_data(args, train_defaults: argparse.Namespace) -> int:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    from imagenet.data.folder import check_layout
+    from imagenet.data.images.folder import check_layout
     try:  # one clear line for a wrong folder, whichever pipeline reads it first
         check_layout(args.dir)
     except UserError as e:

@@ -647,9 +647,9 @@ def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> N
     from torchvision import datasets, transforms
 
     sys.path.insert(0, REPO)
-    from imagenet.data.cropbatch import CropBatch, TrainCropReader
+    from imagenet.data.images.cropbatch import CropBatch, TrainCropReader
     from imagenet.data.decode import TrainDecoder
-    from imagenet.data.gpudecode import JpegBatch, TrainJpegReader, decode_batch
+    from imagenet.data.gpu.decode import JpegBatch, TrainJpegReader, decode_batch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: TRITON_INTERPRET=1
     paths = [p for p, _ in datasets.ImageFolder(os.path.join(root, "train")).samples[::50][:n]]
@@ -670,7 +670,7 @@ def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> N
     gpu_items = seeded(TrainJpegReader(make()))
     gpu = decode_batch(JpegBatch.collate(gpu_items), device)[0].cpu()
     full_pil = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths[:256]]
-    from imagenet.data import gpujpeg
+    from imagenet.data.gpu import jpeg as gpujpeg
     full_nv = [img.permute(1, 2, 0).cpu() for img in gpujpeg.require().decode(
         [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in paths[:256]], device)]
 
@@ -878,10 +878,10 @@ def _median_stages(rows: list) -> dict:
 
 
 def _decode_auto(workers: list) -> str:
-    """What --decode auto chooses on this machine for one GPU at each -j (imagenet.data.decodechoice)."""
+    """What --decode auto chooses on this machine for one GPU at each -j (imagenet.data.gpu.choice)."""
     code = ("import sys; sys.path.insert(0, '.'); import torch; "
             "from imagenet.base.config import Config; "
-            "from imagenet.data.decodechoice import choose, gpu_decoder_available; "
+            "from imagenet.data.gpu.choice import choose, gpu_decoder_available; "
             "from imagenet.training.defaults import usable_cpus; "
             "cuda, cpus, dec = torch.cuda.is_available(), usable_cpus(), gpu_decoder_available(); "
             f"[print(f'-j {{w}}: --decode', c.decode, '--', c.why) for w in {workers!r} for c in "
@@ -912,7 +912,7 @@ def _decoder_table(data: str, batch: int) -> str:
 def _decode_jpegs(spec: str) -> list:
     """--decode-jpeg as a list of the trainer's GPU JPEG decoders (empty: all of them), or exit 2."""
     sys.path.insert(0, REPO)
-    from imagenet.data.gpujpeg import BACKENDS
+    from imagenet.data.gpu.jpeg import BACKENDS
     jpegs = [j for j in spec.split(",") if j] or list(BACKENDS)
     if set(jpegs) - set(BACKENDS):
         fail(f"--decode-jpeg: {spec!r}; give GPU JPEG decoders of the trainer, comma-separated, of {','.join(BACKENDS)}")

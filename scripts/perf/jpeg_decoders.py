@@ -4,7 +4,7 @@
         [--decoders torchvision,torchcodec] [--load resnet50|none] [--load-stream default|side] [--profile]
 
 An idle GPU decodes far faster than one that trains: this tool measures both conditions in one
-process, as the trainer has them. The decoder (``imagenet.data.gpujpeg``, the call ``--decode
+process, as the trainer has them. The decoder (``imagenet.data.gpu.jpeg``, the call ``--decode
 gpu`` makes) runs in one thread on a high-priority stream of its own, as the trainer's decode
 thread does; with ``--load resnet50`` another thread trains torchvision's ResNet-50 (fp16,
 channels_last, batch --load-batch) meanwhile, one step queued ahead of the GPU as a training loop
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from imagenet.data import gpujpeg  # noqa: E402
+from imagenet.data.gpu import jpeg as gpujpeg  # noqa: E402
 
 
 class Load(threading.Thread):

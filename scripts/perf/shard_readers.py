@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
 from imagenet.data.samplers import ShardWindowSampler  # noqa: E402
-from imagenet.data.shards import ShardDataset, find_shards  # noqa: E402
+from imagenet.data.shards.dataset import ShardDataset, find_shards  # noqa: E402
 
 AUGMENT = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
                               transforms.PILToTensor()])

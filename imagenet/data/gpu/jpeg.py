@@ -12,7 +12,7 @@ picks one, for measurements):
   directly, and the banner states the deprecation once.
 * ``torchcodec`` -- TorchCodec's ``decode_jpeg``, the successor torchvision names; it takes over
   when the op is gone. It applies EXIF orientation, so the workers decode EXIF-rotated JPEGs
-  themselves (:mod:`.gpudecode`). Its CPU wheels have no nvJPEG: the probe passes them over.
+  themselves (:mod:`.decode`). Its CPU wheels have no nvJPEG: the probe passes them over.
 
 Each call first waits for the caller's stream to drain (nvJPEG's hardware path does not order its
 writes after work queued before it) and returns once the decode is done: the decode thread
@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import torch
 from PIL import Image
 
-from ..base.errors import UserError
-from .decode import _rgb, _to_tensor
+from ...base.errors import UserError
+from ..decode import _rgb, _to_tensor
 
 ENV = "IMAGENET_GPU_JPEG"
 BACKENDS = ("torchvision", "torchcodec")  # the order find() tries them in: the measured default first

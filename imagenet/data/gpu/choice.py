@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from . import gpujpeg
+from . import jpeg as gpujpeg
 
 CPU_DECODE_CORES = 12  # DataParallel: workers decoding for each GPU from which the workers decode
 _MEASURED = "on an H200 the GPU decode fed the step faster than 2-15 decoding workers"
@@ -43,7 +43,7 @@ class DecodeChoice:
 
 
 def gpu_decoder_available() -> bool:
-    """Whether a JPEG decoder here decodes on CUDA devices (:mod:`imagenet.data.gpujpeg`:
+    """Whether a JPEG decoder here decodes on CUDA devices (:mod:`imagenet.data.gpu.jpeg`:
     torchvision's nvJPEG op or TorchCodec, each tried on a small JPEG where a GPU is visible)."""
     return gpujpeg.gpu_capable(gpujpeg.find())
 
@@ -58,7 +58,7 @@ def choose(cfg, *, cuda: bool, cpus_per_gpu: int, gpus_per_process: int = 1,
     the module's docstring. ``cuda``: training on a CUDA device; ``cpus_per_gpu``: this machine's
     CPU cores over the GPUs training on it; ``gpus_per_process``: GPUs this process's workers feed
     (DataParallel: all of them); ``gpu_decoder``: :func:`gpu_decoder_available`; ``jpeg``:
-    whether the training images are JPEGs (:func:`imagenet.data.folder.images_are_jpeg`, which
+    whether the training images are JPEGs (:func:`imagenet.data.probe.images_are_jpeg`, which
     asks a shard folder's index; None: not known, as for a URL or an older shard index, taken as
     JPEGs)."""
     if cfg.decode != "auto":

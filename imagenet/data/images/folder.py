@@ -17,9 +17,8 @@ import torch
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..base.errors import UserError
-from .shardindex import INDEX, read_index
-from .transforms import set_output_size
+from ...base.errors import UserError
+from ..transforms import set_output_size
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +41,9 @@ def _has_image(class_dir: str) -> bool:
     return False
 
 
-def images_are_jpeg(root: str) -> Optional[bool]:
-    """Whether ``root/train``'s first class folder holds JPEGs (its first image file, by name), for
-    ``--decode auto``; for a shard folder, what its index says of the training images. None where
-    there is nothing to look at (a URL, a shard index older than its format counts, a layout the
-    checks will report)."""
-    if os.path.isfile(os.path.join(root, INDEX)):
-        try:
-            return read_index(root).images_are_jpeg()
-        except UserError:
-            return None  # start-up reports what is wrong with it
+def first_image_is_jpeg(root: str) -> Optional[bool]:
+    """Whether ``root/train``'s first class folder holds JPEGs (its first image file, by name);
+    None where there is nothing to look at (a layout the checks will report)."""
     try:
         classes = _class_dirs(os.path.join(root, "train"))
         for _dir, _subdirs, files in os.walk(os.path.join(root, "train", classes[0]), followlinks=True):

@@ -45,10 +45,10 @@ from typing import Iterator, Optional
 import numpy as np
 from PIL import Image
 
-from ..base.errors import UserError
-from .folder import SafeImageFolder, check_layout
-from .shards import SampleBytes
-from .shardindex import CLASSES, FORMAT, INDEX, ROW, SPLITS, VERSION, shard_name, table_name
+from ...base.errors import UserError
+from ..images.folder import SafeImageFolder, check_layout
+from .dataset import SampleBytes
+from .index import CLASSES, FORMAT, INDEX, ROW, SPLITS, VERSION, shard_name, table_name
 
 logger = logging.getLogger(__name__)
 

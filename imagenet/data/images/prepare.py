@@ -21,8 +21,8 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..base.errors import UserError
-from ..base.paths import default_cache_dir
+from ...base.errors import UserError
+from ...base.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

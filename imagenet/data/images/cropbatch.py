@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from ..kernels import gpugeometry
-from .decode import TrainDecoderReader, _to_tensor
+from ...kernels import gpugeometry
+from ..decode import TrainDecoderReader, _to_tensor
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Tar-shard datasets (:mod:`imagenet.data.shardindex`): recognising a shard folder, and reading
-its samples as :class:`imagenet.data.folder.SafeImageFolder` reads files.
+"""Tar-shard datasets (:mod:`imagenet.data.shards.index`): recognising a shard folder, and reading
+its samples as :class:`imagenet.data.images.folder.SafeImageFolder` reads files.
 
 A sample is one ``os.pread`` at the offset its index row gives: no tar parsing at training
 time, so a damaged tar header costs nothing and every sample is reachable in any order. The
@@ -30,10 +30,10 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ..base.errors import UserError
-from .shardindex import (INDEX, MAKE_HINT, ShardIndex, SplitIndex, check_shards, has_tars, header_name,
+from ...base.errors import UserError
+from .index import (INDEX, MAKE_HINT, ShardIndex, SplitIndex, check_shards, has_tars, header_name,
                          member_name, read_index)
-from .transforms import set_output_size
+from ..transforms import set_output_size
 
 logger = logging.getLogger(__name__)
 

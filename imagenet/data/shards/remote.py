@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from ..base.errors import UserError
-from .shardindex import CLASSES, INDEX, MAKE_HINT, SPLITS, parse_index, table_name
+from ...base.errors import UserError
+from .index import CLASSES, INDEX, MAKE_HINT, SPLITS, parse_index, table_name
 
 logger = logging.getLogger(__name__)
 

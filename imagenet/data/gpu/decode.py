@@ -2,12 +2,12 @@
 
 Worker side: read the file once (a tar shard's sample comes already read), parse its header,
 draw the crop box and flip from the per-sample seeded RNG exactly as the CPU path does (so
-``--seed`` gives the same crops either way), and time each step (:mod:`.inputaccount`). The
+``--seed`` gives the same crops either way), and time each step (:mod:`.account`). The
 collate function lays the targets, the geometry kernel's table and the compressed bytes in one
 shared-memory buffer: a batch crosses to the training process as one file descriptor, not as
 bytes pickled through a pipe.
 
-Device side (:func:`decode_batch`): one batched call of the JPEG decoder (:mod:`.gpujpeg`), then
+Device side (:func:`decode_batch`): one batched call of the JPEG decoder (:mod:`.jpeg`), then
 one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with PIL's antialiased bilinear
 filter (the CPU path's pixels within rounding) and flips every image, reading each decoded image
 where the decoder left it; without Triton, torch's resize does it image by image.
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-from ..base.torch_private import shared_bytes
-from ..kernels import gpugeometry
-from . import gpujpeg
-from .decode import TrainDecoderReader
-from .inputaccount import InputAccount
+from ...base.torch_private import shared_bytes
+from ...kernels import gpugeometry
+from . import jpeg as gpujpeg
+from ..decode import TrainDecoderReader
+from .account import InputAccount
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
 _ORIENTATION = 0x0112  # the EXIF tag

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..base.errors import UserError
+from ...base.errors import UserError
 
 FORMAT = "imagenet-shards"
 VERSION = 1
