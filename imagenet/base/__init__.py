@@ -5,6 +5,8 @@
 * ``metrics`` -- meters, accuracy, device-side sums, and one epoch's metrics.jsonl row.
 * ``checkpoint`` -- checkpoint file I/O: atomic writes, ``weights_only`` reads, finding the newest.
 * ``paths`` -- where the trainer keeps files between runs (``~/.cache/imagenet-trainer``).
+* ``processenv`` -- the environment a training process sets before torch starts (CUDA's hardware
+  queues, Inductor's cache folder).
 * ``wrappers`` -- seeing through DataParallel, DDP and torch.compile wrappers.
 * ``torch_private`` -- every private torch API the trainer relies on, one function each.
 
