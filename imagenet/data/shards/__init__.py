@@ -1,7 +1,10 @@
-"""Tar shards (WebDataset layout with our index): the format, the dataset that reads a sample with
-one ``pread``, the converter from an image folder, and shard folders behind a URL copied into a
-versioned local cache.
+"""Tar shards, in the WebDataset layout with an index of our own.
+
+* ``index`` -- the format: ``index.json``, the per-sample tables, the start-up checks.
+* ``dataset`` -- a shard folder recognised, its samples read with one ``pread`` each.
+* ``writer`` -- ``scripts/make_shards.py``: an image folder packed into shards, restartably.
+* ``remote`` -- shard folders behind a URL (fsspec), copied into a local cache versioned by content.
 
 May import: ``imagenet.base``, the shared modules of ``imagenet.data``, and
-``imagenet.data.images`` (the converter reads an image folder); not ``imagenet.data.gpu``.
+``imagenet.data.images`` (the writer reads an image folder); not ``imagenet.data.gpu``.
 """
