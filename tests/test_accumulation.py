@@ -130,7 +130,7 @@ def test_the_nan_stop_counts_optimizer_steps_not_passes():
 def test_accumulation_under_cuda_graphs_is_refused(mode, capsys):
     """--accum-steps with a --compile mode that replays CUDA graphs stopped in torch with a bare
     "accessing tensor output of CUDAGraphs that has been overwritten" on the second pass
-    (measured on an H200, docs/BENCHMARKS.md run AA8): refused before anything is built."""
+    (measured on an H200, docs/BENCHMARKS.md): refused before anything is built."""
     rc = main(["--dummy", "-a", "resnet18", "--accum-steps", "2", "--compile", mode])
     assert rc == 2
     err = capsys.readouterr().err

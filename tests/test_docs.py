@@ -1,4 +1,4 @@
-"""The documents a user reads (issue 29): a README short enough to read, links that lead
+"""The documents a user reads: a README short enough to read, links that lead
 somewhere, a docs index that lists every document, every option documented, and each figure in
 one place, so that numbers cannot drift apart.
 

@@ -68,7 +68,7 @@ def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_pat
 def test_a_batch_of_another_shape_compiles_a_static_graph(monkeypatch):
     """A shortened batch (unreadable files) or a second run in one process at another batch size
     compiles a graph of static shapes again, not Dynamo's automatic symbolic-batch graph (which,
-    at 1x1 feature maps on a GPU, failed Inductor's stride check: docs/BENCHMARKS.md, DD2/DD3)."""
+    at 1x1 feature maps on a GPU, failed Inductor's stride check; docs/BENCHMARKS.md has the runs)."""
     real, symbolic = torch.compile, []
 
     def recording_backend(gm, example_inputs):
