@@ -55,8 +55,13 @@ def _environment_at_torch_import(tmp_path, extra_env, *args):
     return json.loads(lines[0].split(" ", 1)[1])
 
 
-def test_main_sets_both_before_torch_is_imported(tmp_path):
-    got = _environment_at_torch_import(tmp_path, {}, "--cache-dir", str(tmp_path / "c"))
+@pytest.mark.parametrize("launch", [
+    {},  # main.py alone
+    {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},  # multiproc's or torchrun's rank 1
+    {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},  # an srun task
+], ids=["main", "multiproc-rank1", "slurm-task1"])
+def test_main_sets_both_before_torch_is_imported(tmp_path, launch):
+    got = _environment_at_torch_import(tmp_path, launch, "--cache-dir", str(tmp_path / "c"))
     assert got == {MAX_CONNECTIONS: "32", INDUCTOR_CACHE: str(tmp_path / "c" / "inductor")}
 
 
