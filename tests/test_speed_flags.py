@@ -261,10 +261,28 @@ def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path, cap
     (["decode", "--decode-jpeg", "torchvision,nvjpeg@2"], "--decode-jpeg: 'torchvision,nvjpeg@2'; give GPU JPEG "
                                                           "decoders of the trainer, comma-separated, of "
                                                           "torchvision,torchcodec"),
+    (["shrink", "--shrink-pipelines", "cpu,nope"], "--shrink-pipelines: unknown ['nope']"),
 ])
 def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
     """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""
     r = subprocess.run([sys.executable, "scripts/perf/gpu_verify.py", *args, "--out", str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
-    assert not (tmp_path / "make_jpeg.log").exists()  # failed before making data
+    assert not list(tmp_path.glob("*.log"))  # failed before making data (make_jpeg.log, prepare-jpeg.log, ...)
+
+
+def test_gpu_verify_loads_by_path_and_lists_every_phase_in_its_help():
+    """gpu_verify.py is a thin entry over scripts/perf/verify/: loaded by its file path (not run as
+    a script, so its folder is not on sys.path) it still finds its phases, and --help names each
+    one of its PHASES table with the line that says what it measures."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_verify_by_path", os.path.join(REPO, "scripts", "perf",
+                                                                                     "gpu_verify.py"))
+    gv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gv)
+    assert {"smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling", "shrink",
+            "defaults", "shards", "decode"} <= set(gv.PHASES)
+    help_text = gv.parser().format_help()
+    for name, (phase, what) in gv.PHASES.items():
+        assert callable(phase) and f"gpu_verify.py {name:<10} # {what}" in help_text
+    assert gv.parser().parse_args(["decode", "--decode-workers", "2"]).decode_workers == "2"

@@ -1,0 +1,191 @@
+"""Accuracy parity on Fashion-MNIST: each precision on one GPU against fp32 (precision), the
+DataParallel and DDP commands on two GPUs (multigpu), the fp16 recipe with a weight average,
+label smoothing or other kernels over seeds (recipe), and images stored larger than they train
+through each input pipeline, with the pixels each pipeline makes (shrink)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .common import (G0, G1, PY, REPO, TWO, fail, last_metrics, recipe_cmd, run_group, run_rows, seed_accs, sh,
+                     table, tail, visible_gpus)
+from .data import ensure_fashion, ensure_fashion_jpeg
+
+# (group, name, command, environment): a group's rows at once, one a GPU; {base}: the recipe in fp32
+PRECISION_ROWS = (
+    (1, "1-fp32", "{base}", G0),
+    (1, "2-fp16-static256", "{base} --fp16 --loss-scale=256", G1),
+    (2, "fp16-dynamic", "{base} --fp16", G0),
+    (2, "amp-fp16", "{base} --amp", G1),
+    (3, "amp-bf16", "{base} --amp --amp-dtype bfloat16", G0),
+)
+# (name, command) on GPUs 0 and 1; --only picks rows by the number before the first hyphen
+MULTIGPU_ROWS = (
+    ("3-dp-fp32", "{py} {recipe}"),
+    ("4-dp-fp16-static256", "{py} {recipe} --fp16 --loss-scale=256"),
+    ("5-ddp-fp16-static256", "{py} -m multiproc --log-dir OUT {recipe} --fp16 --loss-scale=256 --dist-backend nccl"),
+    ("6a-ddp-fp16-dynamic", "{py} -m multiproc --log-dir OUT {recipe} --fp16 --dist-backend nccl"),
+    ("6b-ddp-amp", "{py} -m multiproc --log-dir OUT {recipe} --amp --dist-backend nccl"),
+)
+EAGER = " --compile off --bn-kernel torch"  # eager, torch's BatchNorm: the step before the speed defaults
+RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
+                   "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1",
+                   # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
+                   "maxpool-torch": EAGER + " --maxpool-kernel torch",
+                   "maxpool-triton": EAGER + " --maxpool-kernel triton",
+                   # both Triton kernels under CUDA graphs, the fastest mode, against maxpool-torch
+                   "kernels-ro": " --maxpool-kernel triton --bn-kernel triton --compile reduce-overhead",
+                   "kernels": " --compile off --maxpool-kernel triton --bn-kernel triton",
+                   # the command as typed (the speed defaults) against maxpool-torch
+                   "default": ""}
+SHRINK_PIPELINES = {"classic": "--data-pipeline classic", "cpu": "--decode cpu", "gpu": "--decode gpu"}
+
+
+def phase_precision(args) -> None:
+    """The recipe in fp32, fp16 with a static and a dynamic loss scale, amp fp16 and amp bf16, on one GPU each."""
+    data = ensure_fashion(args)
+    table(run_rows(PRECISION_ROWS, {"base": f"{PY} {recipe_cmd(args, data)}"}, args), "1-fp32")
+
+
+def phase_multigpu(args) -> None:
+    """The recipe under DataParallel and DDP on two GPUs, each against the precision phase's fp32
+    run (--ref-acc); one run at a time, or all at once with --concurrent (accuracy only)."""
+    data = ensure_fashion(args)
+    fill = {"py": PY, "recipe": recipe_cmd(args, data)}
+    runs = [(name, cmd.format(**fill)) for name, cmd in MULTIGPU_ROWS]
+    if args.only:
+        runs = [r for r in runs if r[0].split("-")[0] in args.only.split(",")]
+    results = []
+    if args.concurrent:  # accuracy only: runs share the GPUs, so their img/s figures mean little
+        results = run_group([{"name": name, "cmd": cmd, "env": TWO} for name, cmd in runs], args)
+    for name, cmd in ([] if args.concurrent else runs):
+        results += run_group([{"name": name, "cmd": cmd, "env": TWO}], args)
+    ref = args.ref_acc
+    if ref is not None:
+        results.insert(0, {"name": "1-fp32", "acc1": ref, "best": ref, "val_samples": 10000, "img_per_s": 0,
+                           "skipped_steps": 0, "loss_scale": None, "seconds": 0, "rc": 0, "cmd": "(precision phase)",
+                           "env": {}})
+    table(results, "1-fp32")
+
+
+def phase_recipe(args) -> None:
+    """The plain fp16 recipe vs the same with a weight average and/or label smoothing
+    (--variants), for each of --seeds (runs alternate between the GPUs, all at once: accuracy
+    only), then the mean of each."""
+    names = args.variants.split(",")
+    unknown = set(names) - set(RECIPE_VARIANTS)
+    if unknown:
+        fail(f"unknown recipe variant(s) {sorted(unknown)}; choose from {','.join(RECIPE_VARIANTS)}")
+    data = ensure_fashion(args)
+    base = f"{PY} {recipe_cmd(args, data)} --fp16"
+    variants = [(v, RECIPE_VARIANTS[v]) for v in names]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    gpus = max(visible_gpus(), 1)
+    runs = [{"name": f"r-fp16-{v}-s{seed}", "cmd": f"{base}{extra} --seed {seed}",
+             "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}}
+            for k, (seed, (v, extra)) in enumerate((s_, v_) for s_ in seeds for v_ in variants)]
+    results = run_group(runs, args)
+    for r in results:
+        rows = last_metrics(os.path.join(args.out, r["name"]))
+        if rows and "val_acc1_ema" in rows[-1]:
+            print(f"{r['name']}: weight average final Acc@1 {rows[-1]['val_acc1_ema']:.2f}, "
+                  f"best {max(x['val_acc1_ema'] for x in rows):.2f}")
+    table(results, f"r-fp16-plain-s{seeds[0]}")
+    for v, _ in variants:
+        accs = seed_accs(results, f"r-fp16-{v}")
+        if accs:
+            print(f"{v}: final Acc@1 mean {sum(accs) / len(accs):.2f} over {len(accs)} seed(s), "
+                  f"min {min(accs):.2f}, max {max(accs):.2f}")
+    png = os.path.join(args.out, "recipe-fp16-ema-ls.png")
+    dirs = " ".join(os.path.join(args.out, f"r-fp16-{v}-s{seeds[0]}") for v, _ in variants)
+    sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
+       f"{' vs '.join(names)}'", os.path.join(args.out, "plot.log"))
+    print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
+
+
+def pixel_comparison(root: str, size: int, min_scale: float, n: int = 1024) -> None:
+    """The same seeded crops and flips of ``n`` training images through each pipeline, against
+    torchvision's classic transforms (PIL decode, PIL resize): how far each departs, whether it
+    is brighter or darker, and how sharp it is (mean absolute difference of neighbouring pixels,
+    relative to classic's). The decoders alone too: nvJPEG's full image vs PIL's."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision import datasets, transforms
+
+    sys.path.insert(0, REPO)
+    from imagenet.data.images.cropbatch import CropBatch, TrainCropReader
+    from imagenet.data.decode import TrainDecoder
+    from imagenet.data.gpu.decode import JpegBatch, TrainJpegReader, decode_batch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: TRITON_INTERPRET=1
+    paths = [p for p, _ in datasets.ImageFolder(os.path.join(root, "train")).samples[::50][:n]]
+    classic = transforms.Compose([transforms.RandomResizedCrop(size, scale=(min_scale, 1.0)),
+                                  transforms.RandomHorizontalFlip(0.5)])
+    make = lambda: TrainDecoder(size, min_scale, 0.5)  # noqa: E731
+
+    def seeded(fn):
+        out = []
+        for k, path in enumerate(paths):
+            torch.default_generator.manual_seed(1000 + k)
+            out.append(fn(path))
+        return out
+
+    ref = torch.stack(seeded(lambda p: torch.from_numpy(np.asarray(classic(Image.open(p).convert("RGB"))).copy())))
+    worker = torch.stack(seeded(make()))
+    crops = CropBatch.collate(seeded(TrainCropReader(make()))).to_device(device).cpu()
+    gpu_items = seeded(TrainJpegReader(make()))
+    gpu = decode_batch(JpegBatch.collate(gpu_items), device)[0].cpu()
+    full_pil = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).copy()) for p in paths[:256]]
+    from imagenet.data.gpu import jpeg as gpujpeg
+    full_nv = [img.permute(1, 2, 0).cpu() for img in gpujpeg.require().decode(
+        [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in paths[:256]], device)]
+
+    def sharp(x):
+        x = x.float()
+        return float((x[:, 1:] - x[:, :-1]).abs().mean() + (x[:, :, 1:] - x[:, :, :-1]).abs().mean())
+
+    print(f"\npixels: {len(paths)} training images of {root}, {size} px crops (scale {min_scale}..1), "
+          "the same seeds in every pipeline, against torchvision's classic transforms")
+    print("| pipeline | mean abs diff | mean diff (brightness) | pixels > 1 level off | sharpness vs classic |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    base = sharp(ref)
+    for name, x in (("classic (PIL decode, PIL resize)", ref), ("fast, worker resize (CPU-only machines)", worker),
+                    ("--decode cpu (PIL decode, GPU kernel resize)", crops), ("--decode gpu (nvJPEG, GPU kernel)", gpu)):
+        d = x.int() - ref.int()
+        print(f"| {name} | {d.abs().float().mean():.3f} | {d.float().mean():+.3f} | "
+              f"{(d.abs() > 1).float().mean():.4f} | {sharp(x) / base:.4f} |")
+    d = torch.cat([(a.int() - b.int()).reshape(-1) for a, b in zip(full_nv, full_pil)])
+    print(f"| decoders alone, nvJPEG vs PIL, {len(full_pil)} whole images | {d.abs().float().mean():.3f} | "
+          f"{d.float().mean():+.3f} | {(d.abs() > 1).float().mean():.4f} | |", flush=True)
+
+
+def phase_shrink(args) -> None:
+    """Accuracy when images are shrunk: Fashion-MNIST stored as --shrink-store px JPEGs, the
+    Fashion recipe trained at --shrink-size px for --shrink-epochs, --fp16 --channels-last, each input pipeline x
+    --seeds, --shrink-concurrent runs at once on the GPU (accuracy only); first, the pixels each
+    pipeline makes from the same seeds."""
+    names = args.shrink_pipelines.split(",")
+    unknown = set(names) - set(SHRINK_PIPELINES)
+    if unknown:  # before the export and the pixel comparison: a typo costs no device time
+        fail(f"--shrink-pipelines: unknown {sorted(unknown)}; choose from {','.join(SHRINK_PIPELINES)}")
+    root = ensure_fashion_jpeg(args)
+    size = args.shrink_size
+    pixel_comparison(root, size, 0.6)
+    base = (f"{PY} main.py {root} --config configs/fashion-mnist.yaml --image-size {size} --val-resize {size} "
+            f"--epochs {args.shrink_epochs} --fp16 --channels-last -j {args.workers} --output-dir OUT")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    runs = [{"name": f"shrink-{name}-s{seed}", "cmd": f"timeout {args.shrink_timeout} {base} "
+             f"{SHRINK_PIPELINES[name]} --seed {seed}", "env": G0}
+            for seed in seeds for name in names]
+    results = []
+    for i in range(0, len(runs), args.shrink_concurrent):
+        results += run_group(runs[i:i + args.shrink_concurrent], args)
+    table(results, runs[0]["name"])
+    print("\n| pipeline | final Acc@1 per seed | mean | spread |\n| --- | --- | ---: | ---: |")
+    for name in names:
+        accs = seed_accs(results, f"shrink-{name}")
+        if accs:
+            print(f"| {name} | {' / '.join(f'{a:.2f}' for a in accs)} | {sum(accs) / len(accs):.2f} | "
+                  f"{max(accs) - min(accs):.2f} |")
