@@ -24,7 +24,7 @@ def digits(tmp_path_factory):
 def test_reference_command_line_trains_and_writes_outputs(digits, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "main.py", str(digits), "-a", "resnet18", "-b", "32", "--epochs", "2", "-j", "0",
-           "--lr", "0.05", "--output-dir", str(out),
+           "--lr", "0.01", "--output-dir", str(out),
            # small images: a 32 px crop keeps the run to seconds on a CPU
            "--image-size", "32", "--val-resize", "32", "--min-crop-scale", "0.5", "--hflip", "0", "--seed", "0"]
     env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -37,8 +37,8 @@ def test_reference_command_line_trains_and_writes_outputs(digits, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1]
     assert rows[-1]["val_samples"] == 200
-    # Chance is 10%. Two short epochs at this lr land between ~50% and ~90% depending on the seeds
-    # (measured: these digits and --seed 0 -> 81.5%; over 7 data/--seed pairs 49% to 89%); three
-    # times chance is a learning model.
+    # Chance is 10%. Two short epochs at lr 0.01 gave 96.0% and 96.5% (--seed 0 and 2; torch 2.14,
+    # Pillow 13); at 0.05 the first epoch diverged on some seeds (13% to 35%). Three times chance is
+    # a learning model.
     assert rows[-1]["val_acc1"] >= 30.0, rows[-1]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
