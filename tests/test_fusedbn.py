@@ -411,7 +411,7 @@ def test_main_refuses_the_kernels_where_they_cannot_run(tmp_path):
 
 # ---------------------------------------------------------------------------------------- GPU
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 
 
 @pytest.fixture

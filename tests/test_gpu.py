@@ -20,8 +20,8 @@ from imagenet.precision import (AutocastPrecision,
     configure_tf32,
     iter_norm_modules)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+cuda = pytest.mark.gpu
+two_gpus = pytest.mark.gpu(2)
 
 
 def _fp16_resnet(device="cuda:0"):
