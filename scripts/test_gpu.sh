@@ -23,7 +23,8 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
 else PY=python3
 fi
-if ! gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null); then
+probe='import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)'
+if ! gpus=$("$PY" -c "$probe" 2>/dev/null); then
   echo "test_gpu.sh: $PY cannot import torch; set PYTHON to the interpreter that has the trainer's requirements" >&2
   exit 2
 fi

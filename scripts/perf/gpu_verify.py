@@ -195,7 +195,7 @@ def phase_suite(args) -> None:
     under every --compile mode, all with nothing installed beyond the machine's own packages."""
     import importlib.util
     t0 = time.time()
-    gpu_tests = "tests/test_gpu.py tests/test_gpugeometry.py tests/test_gpudecode.py"
+    gpu_tests = "-m gpu tests"  # every GPU test, as scripts/test_gpu.sh runs them
     xdist = importlib.util.find_spec("xdist") is not None
     per_test = " --timeout 240" if importlib.util.find_spec("pytest_timeout") else ""
     jobs = max(2, (os.cpu_count() or 4) // 4)
