@@ -3,16 +3,18 @@
 # for want of a GPU (tests/gpumarks.py; the CPU suite is scripts/test.sh). Exits 2 at once, with
 # one line, where no CUDA GPU is visible; else with pytest's status. Extra arguments go to pytest.
 #
-# On one H200 (16 cores) with empty compile caches, about 3.5 minutes (estimates, seconds):
-#   tests/test_gpu_runs.py      ~75  main.py end to end, every run started at once: one process and two
-#                                    DDP processes sharing the GPU in fp32 (they must agree), two in
-#                                    fp16, one under --amp --compile default
-#   tests/test_fusedbn.py       ~50  the BatchNorm kernels against torch, in children started at once
-#   tests/test_gpu.py           ~35  fp16 masters, host-free steps, CUDA-graph training vs eager
+# Estimates for one H200 (16 cores) with empty compile caches, about 3 minutes in all (seconds;
+# --durations prints the real ones). The main.py runs of tests/gpuruns.py start with the session and
+# compile beside the tests before theirs, so tests/test_gpu_runs.py mostly reads their results:
+#   tests/gpuruns.py runs       ~90  beside the rest: one process and two DDP processes sharing the
+#                                    GPU in fp32 (they must agree), the two in fp16, --amp --compile default
+#   tests/test_fusedbn.py       ~60  the BatchNorm kernels against torch, seven children at once
+#   tests/test_gpu.py           ~40  fp16 masters, host-free steps, CUDA-graph training against eager
 #   tests/test_maxpool.py       ~20  the stem max-pool kernels, eager and inside torch.compile
 #   tests/test_processenv.py    ~10  CUDA_DEVICE_MAX_CONNECTIONS in the CUDA context
 #   tests/test_cropbatch.py, test_gpudecode.py, test_gpugeometry.py, test_pipeline.py,
-#   test_throughput.py          ~25  GPU resize and nvJPEG decode against PIL, loaders on the device
+#   test_throughput.py, test_gpu_runs.py ~35  GPU resize and nvJPEG decode against PIL, loaders on
+#                                    the device, the runs' results
 # Tests that need two GPUs (DataParallel) skip on one. The performance lab (scripts/perf) measures
 # speed and runs ResNet-50 under every --compile mode (gpu_verify.py suite).
 set -euo pipefail

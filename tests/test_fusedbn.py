@@ -3,7 +3,7 @@
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined), a layer at a time, in a whole ResNet, and
 through main.py; on a GPU, compiled, each comparison in a child of its own (all at once), and
-through main.py in tests/test_gpu_runs.py.
+through main.py in tests/test_kernel_runs.py.
 """
 
 import json
@@ -374,7 +374,7 @@ def _main(out, name: str, kernel: str, env: dict) -> subprocess.Popen:
                             env=dict(os.environ, **env))
 
 
-@pytest.mark.skipif(CUDA, reason="a GPU is here: tests/test_gpu_runs.py runs main.py with the compiled kernels")
+@pytest.mark.skipif(CUDA, reason="a GPU is here: tests/test_kernel_runs.py runs main.py with the compiled kernels")
 def test_main_with_the_kernels_trains_like_torchs_modules_under_the_interpreter(interpreter_runs):
     """Three steps through main.py, fused and plain, from the same seed: the same training loss
     to 1%, torchvision's state dict. (Not the same weights to rounding: at 8 images a step the
@@ -452,7 +452,7 @@ def _on_gpu(code: str, tf32: bool = True) -> list:
 
 
 @pytest.fixture(scope="module")
-def gpu_runs(tmp_path_factory):
+def kernel_runs(tmp_path_factory):
     """Every GPU comparison of this module in a child of its own, all started at once: Triton
     compiles each variant of a kernel (dtype, block sizes, flags) on its first launch, one after
     another in a process (about 50 variants a dtype), and Inductor compiles a ResNet-18 for each
@@ -478,10 +478,10 @@ def gpu_runs(tmp_path_factory):
 
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_compiled_kernels_match_torch_on_the_gpu(gpu_runs, dtype):
+def test_compiled_kernels_match_torch_on_the_gpu(kernel_runs, dtype):
     """As many partial results as the GPU's size asks for; in float16 also four, combined two a
     step of the finishing kernels (tiles of partial results)."""
-    rows = gpu_runs.json(f"layers-{dtype}")
+    rows = kernel_runs.json(f"layers-{dtype}")
     if dtype == "float16":
         rows, few_partials = rows
         _check_layers(few_partials)
@@ -489,11 +489,11 @@ def test_compiled_kernels_match_torch_on_the_gpu(gpu_runs, dtype):
 
 
 @gpu
-def test_kernels_match_torch_on_resnet50_sized_layers(gpu_runs):
+def test_kernels_match_torch_on_resnet50_sized_layers(kernel_runs):
     """The input's gradient everywhere but where the ReLU's mask flips: an output within fp16's
     rounding of zero (a few of the 10^8 values) is zero on one side and not on the other, so its
     gradient differs by the whole incoming gradient there. (Their speed: scripts/perf/bn_kernel_sweep.py.)"""
-    rows = gpu_runs.json("resnet50-layers")
+    rows = kernel_runs.json("resnet50-layers")
     assert [row["shape"] for row in rows] == [list(shape) for shape in RESNET50_LAYERS]
     for row in rows:
         assert row["err"] < 2e-2 and row["off"] <= 1e-6 * row["numel"], row
@@ -501,15 +501,15 @@ def test_kernels_match_torch_on_resnet50_sized_layers(gpu_runs):
 
 @gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_the_kernels_inside_inductor_give_the_eager_results(gpu_runs, mode):
-    r = gpu_runs.json(f"inductor-{mode}")
+def test_the_kernels_inside_inductor_give_the_eager_results(kernel_runs, mode):
+    r = kernel_runs.json(f"inductor-{mode}")
     assert r["cudagraph_skips"] == 0, r
     assert r["err"] < 1e-3 and r["ops"] == ["imagenet.bn_act.default", "imagenet.bn_stats.default"], r
     _check_two_gradients(r)
 
 
 @gpu
-def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(gpu_runs):
-    for name, r in gpu_runs.json("models").items():
+def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(kernel_runs):
+    for name, r in kernel_runs.json("models").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-3, (name, r)
         assert r["two_gradients"] == r["blocks"] - 1, (name, r)
