@@ -13,7 +13,9 @@ them, so that they compile beside the tests that run before theirs.
 
 import json
 import os
+import random
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +23,6 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from imagenet.models.registry import create_model
-from imagenet.parallel.distributed import free_port
 from tests.helpers import Children, photo
 
 STEPS, BATCH, SIZE, CLASSES, LR = 5, 32, 32, 4, 0.002
@@ -96,15 +97,29 @@ class Runs:
         return torch.cat([(end[k].float() - start[k].float()).flatten() for k in keys])
 
 
+def _rendezvous_ports(n: int) -> list:
+    """``n`` distinct ports free now, below Linux's ephemeral range (from 32768), where no other
+    process's connections can take them before the runs' rank 0 listens on them."""
+    ports = []
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError("no free port in 20000-31999")
+
+
 def start(root: Path) -> Runs:
     """Make the data and the starting weights under ``root`` and start every run; returns at once."""
     data, init = root / "pairs", root / "init.pth"
     paired_folder(data)
     torch.manual_seed(0)
     torch.save(create_model("resnet18", CLASSES).state_dict(), init)
-    ports = set()
-    while len(ports) < 2:
-        ports.add(free_port())
+    ports = _rendezvous_ports(2)
     children = Children(root / "logs")
     children.start("one", _train(data, init, root / "one", "--no-tf32"), _env())
     for name, port, extra in (("two", ports.pop(), ["--no-tf32"]),

@@ -5,9 +5,10 @@ runs of tests/gpuruns.py, which start with the session.
 The DDP runs must train as the one-process run does. Their training images come in pairs of
 identical pixels that the sampler hands to rank 0 and to rank 1 at the same step (each crop the
 whole image, no flips), under labels that mostly differ: every rank's BatchNorm statistics are
-then those of the global batch, as in the one-process run, while the ranks' gradients differ. A
-rank that missed the all-reduce, or gradients averaged wrongly, change the weights' updates by
-30-150% (measured with these runs on a CPU); reordered additions changed them by under 2%.
+then those of the global batch, as in the one-process run, while the ranks' gradients differ.
+On a CPU, with this data and these steps, the fp32 runs agreed to 1e-5, while a rank that skipped
+the all-reduce moved the loss by 3% and the weights' updates by 135%, and gradients summed instead
+of averaged by 3% and 163%.
 """
 
 import math
