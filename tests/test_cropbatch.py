@@ -82,7 +82,7 @@ def test_kernel_resizes_the_workers_crops_as_pil_does_under_the_interpreter(tmp_
     assert (30 * 30) % gpugeometry.BLOCK, "30 px no longer leaves a partial last block"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("draft", [True, False])
 def test_kernel_resizes_the_workers_crops_as_pil_does_on_the_gpu(tmp_path, draft):
     check(against_pil(str(tmp_path), size=56, draft=draft), len(SHAPES) + 2)

@@ -102,7 +102,7 @@ def test_explicit_kernels_bring_channels_last_along():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(),
-                    reason="the CPU run's banner; a GPU's is test_the_plain_command_trains_on_the_fast_path_under_ddp's")
+                    reason="the CPU run's banner; a GPU's is tests/test_gpu_runs.py's")
 def test_the_banner_prints_every_choice(tmp_path, capsys):
     from imagenet.cli import main
     rc = main(["--dummy", "--dummy-train-size", "8", "--dummy-val-size", "4", "--dummy-classes", "2", "-a", "resnet18",
@@ -115,23 +115,6 @@ def test_the_banner_prints_every_choice(tmp_path, capsys):
     assert "compile: auto" in written and "channels_last: null" in written, written
     decided = written.splitlines()[1]
     assert decided.startswith("# {") and "channels_last: false" in decided and "compile: 'off'" in decided, written
-
-
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("precision", [["--fp16"], ["--amp"]])
-def test_the_plain_command_trains_on_the_fast_path_under_ddp(tmp_path, precision):
-    """`python -m multiproc main.py ... --fp16` with no speed flag: channels_last, both kernels and
-    CUDA graphs, by itself, and it trains."""
-    import torch
-
-    from tests.helpers import multiproc_dummy_run
-    r, rows = multiproc_dummy_run(tmp_path, "resnet18", *precision)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    for line in ("stem max-pool on Triton kernels", "BatchNorm + add + ReLU fused in Triton",
-                 "torch.compile with CUDA graphs (reduce-overhead)", "=> first step done"):
-        assert line in out, out[-3000:]
-    assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)
 
 
 # --decode auto: where JPEGs are decoded, decided with the other defaults (imagenet/data/gpu/choice.py)

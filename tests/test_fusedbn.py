@@ -2,7 +2,8 @@
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined), a layer at a time, in a whole ResNet, and
-through main.py; on a GPU, compiled.
+through main.py; on a GPU, compiled, each comparison in a child of its own (all at once), and
+through main.py in tests/test_kernel_runs.py.
 """
 
 import json
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from imagenet.base.errors import UserError
 from imagenet.models.registry import create_model, has_fused_bn, use_bn_kernels
-from tests.helpers import multiproc_dummy_run, scratch
+from tests.helpers import Children, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -373,7 +374,7 @@ def _main(out, name: str, kernel: str, env: dict) -> subprocess.Popen:
                             env=dict(os.environ, **env))
 
 
-@pytest.mark.skipif(CUDA, reason="a GPU is here: test_main_trains_with_the_kernels_under_ddp runs main.py")
+@pytest.mark.skipif(CUDA, reason="a GPU is here: tests/test_kernel_runs.py runs main.py with the compiled kernels")
 def test_main_with_the_kernels_trains_like_torchs_modules_under_the_interpreter(interpreter_runs):
     """Three steps through main.py, fused and plain, from the same seed: the same training loss
     to 1%, torchvision's state dict. (Not the same weights to rounding: at 8 images a step the
@@ -411,86 +412,104 @@ def test_main_refuses_the_kernels_where_they_cannot_run(tmp_path):
 
 # ---------------------------------------------------------------------------------------- GPU
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
+RESNET50_LAYERS = [(256, 64, 112, 112), (256, 256, 56, 56), (256, 2048, 7, 7)]
 
 
-@pytest.fixture
-def no_tf32():
-    """float32 convolutions and matmuls in float32 for this test only (set back by hand after
-    it: monkeypatch's undo would delete torch.backends.cuda.matmul's setting instead)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-@gpu
-def test_compiled_kernels_match_torch_on_the_gpu():
-    _check_layers(compare_layers("cuda", ("float32", "float16", "bfloat16"), partials=None), several_parts=False)
-    _check_layers(compare_layers("cuda", ("float16",), partials=4))
-
-
-@gpu
-@pytest.mark.parametrize("shape", [(256, 64, 112, 112), (256, 256, 56, 56), (256, 2048, 7, 7)])
-def test_kernels_match_torch_on_resnet50_sized_layers(shape):
+def compare_resnet50_layers() -> list:
     """ResNet-50's largest layers at batch 256, fp16 with fp32 parameters as --fp16 runs them,
-    against torch's BatchNorm + add + ReLU in float32; prints both sides' time per layer."""
+    against torch's BatchNorm + add + ReLU in float32: per layer, the worst relative error of the
+    output, the parameters' gradients and the running variance, and how many input gradients are
+    off by more than 2% of the largest."""
     from imagenet.kernels import fusedbn
-    torch.manual_seed(0)
-    a, b = nn.BatchNorm2d(shape[1]).cuda(), nn.BatchNorm2d(shape[1]).cuda()
-    x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    r = torch.randn_like(x)
-    xa, xb = x.clone().requires_grad_(True), x.float().requires_grad_(True)
-    ya, yb = fusedbn.bn_act(xa, a, r), F.relu(b(xb) + r.float())
-    grad = torch.randn_like(ya)
-    ya.backward(grad)
-    yb.backward(grad.float())
-    for p, q in ((ya, yb), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad), (a.running_var, b.running_var)):
-        assert float((p.float() - q).abs().max() / q.abs().max()) < 2e-2
-    # The input's gradient everywhere but where the ReLU's mask flips: an output within fp16's
-    # rounding of zero (a few of the 10^8 values) is zero on one side and not on the other, so
-    # its gradient differs by the whole incoming gradient there.
-    off = ((xa.grad.float() - xb.grad).abs() > 2e-2 * xb.grad.abs().max()).sum().item()
-    assert off <= 1e-6 * x.numel(), f"{off} of {x.numel()} input gradients off"
-    timings = {}
-    xt = x.clone().requires_grad_(True)  # torch's fp16 path, input gradient included as in the fused one
-    for name, fn in (("fused", lambda: fusedbn.bn_act(xa, a, r).backward(grad)),
-                     ("torch", lambda: F.relu(b(xt) + r).backward(grad))):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        timings[name] = start.elapsed_time(end) / 10
-    print(f"{shape}: fused {timings['fused']:.3f} ms, torch {timings['torch']:.3f} ms (forward + backward)")
+    rows = []
+    for shape in RESNET50_LAYERS:
+        torch.manual_seed(0)
+        a, b = nn.BatchNorm2d(shape[1]).cuda(), nn.BatchNorm2d(shape[1]).cuda()
+        x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        r = torch.randn_like(x)
+        xa, xb = x.clone().requires_grad_(True), x.float().requires_grad_(True)
+        ya, yb = fusedbn.bn_act(xa, a, r), F.relu(b(xb) + r.float())
+        grad = torch.randn_like(ya)
+        ya.backward(grad)
+        yb.backward(grad.float())
+        err = max(float((p.float() - q).abs().max() / q.abs().max())
+                  for p, q in ((ya, yb), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad),
+                               (a.running_var, b.running_var)))
+        off = int(((xa.grad.float() - xb.grad).abs() > 2e-2 * xb.grad.abs().max()).sum())
+        rows.append({"shape": list(shape), "err": err, "off": off, "numel": x.numel()})
+        del x, r, xa, xb, ya, yb, grad
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _on_gpu(code: str, tf32: bool = True) -> list:
+    """A child's command line: ``code`` run after ``import tests.test_fusedbn as t`` (TF32 off
+    unless ``tf32``), its result printed as JSON."""
+    off = "" if tf32 else "torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False; "
+    return [sys.executable, "-c", "import json, sys, torch; sys.path.insert(0, '.'); import tests.test_fusedbn as t; "
+            + off + code]
+
+
+@pytest.fixture(scope="module")
+def kernel_runs(tmp_path_factory):
+    """Every GPU comparison of this module in a child of its own, all started at once: Triton
+    compiles each variant of a kernel (dtype, block sizes, flags) on its first launch, one after
+    another in a process (about 50 variants a dtype), and Inductor compiles a ResNet-18 for each
+    compile mode; side by side they take the time of the slowest."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "4"))
+    with scratch(tmp_path_factory, "fusedbn_gpu") as out:
+        runs = Children(out)
+        try:
+            for dtype in ("float32", "bfloat16"):
+                code = f"print(json.dumps(t.compare_layers('cuda', ({dtype!r},), None)))"
+                runs.start(f"layers-{dtype}", _on_gpu(code), env)
+            runs.start("layers-float16", _on_gpu("print(json.dumps([t.compare_layers('cuda', ('float16',), None), "
+                                                 "t.compare_layers('cuda', ('float16',), 4)]))"), env)
+            runs.start("models", _on_gpu("print(json.dumps(t.compare_models('cuda')))", tf32=False), env)
+            for mode in ("default", "reduce-overhead"):
+                runs.start(f"inductor-{mode}", _on_gpu(f"print(json.dumps(t.compare_compiled('cuda', 'inductor', "
+                                                       f"{mode!r}, steps=3)))", tf32=False), env)
+            runs.start("resnet50-layers", _on_gpu("print(json.dumps(t.compare_resnet50_layers()))"), env)
+            yield runs
+        finally:
+            runs.stop()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_compiled_kernels_match_torch_on_the_gpu(kernel_runs, dtype):
+    """As many partial results as the GPU's size asks for; in float16 also four, combined two a
+    step of the finishing kernels (tiles of partial results)."""
+    rows = kernel_runs.json(f"layers-{dtype}")
+    if dtype == "float16":
+        rows, few_partials = rows
+        _check_layers(few_partials)
+    _check_layers(rows, several_parts=False)
+
+
+@gpu
+def test_kernels_match_torch_on_resnet50_sized_layers(kernel_runs):
+    """The input's gradient everywhere but where the ReLU's mask flips: an output within fp16's
+    rounding of zero (a few of the 10^8 values) is zero on one side and not on the other, so its
+    gradient differs by the whole incoming gradient there. (Their speed: scripts/perf/bn_kernel_sweep.py.)"""
+    rows = kernel_runs.json("resnet50-layers")
+    assert [row["shape"] for row in rows] == [list(shape) for shape in RESNET50_LAYERS]
+    for row in rows:
+        assert row["err"] < 2e-2 and row["off"] <= 1e-6 * row["numel"], row
 
 
 @gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_the_kernels_inside_inductor_give_the_eager_results(mode, no_tf32):
-    r = compare_compiled("cuda", "inductor", mode, steps=3)
+def test_the_kernels_inside_inductor_give_the_eager_results(kernel_runs, mode):
+    r = kernel_runs.json(f"inductor-{mode}")
     assert r["cudagraph_skips"] == 0, r
     assert r["err"] < 1e-3 and r["ops"] == ["imagenet.bn_act.default", "imagenet.bn_stats.default"], r
     _check_two_gradients(r)
 
 
 @gpu
-def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(no_tf32):
-    for name, r in compare_models("cuda").items():
+def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(kernel_runs):
+    for name, r in kernel_runs.json("models").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-3, (name, r)
         assert r["two_gradients"] == r["blocks"] - 1, (name, r)
-
-
-@gpu
-@pytest.mark.parametrize("arch, flags", [("resnet50", ["--fp16", "--compile", "off"]),
-                                         ("resnet50", ["--amp", "--compile", "off"]),
-                                         ("resnet18", ["--fp16", "--compile", "reduce-overhead"]),
-                                         ("resnet18", ["--amp", "--compile", "default"])])
-def test_main_trains_with_the_kernels_under_ddp(tmp_path, arch, flags):
-    r, rows = multiproc_dummy_run(tmp_path, arch, "--bn-kernel", "triton", *flags)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "BatchNorm + add + ReLU fused in Triton" in r.stdout + r.stderr
-    assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)

@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA; run on the GPU machine by scripts/perf/gpu_verify.py smoke).
+"""GPU-only checks (skipped without CUDA; scripts/test_gpu.sh runs them with the other GPU tests).
 
 The heart is the bug this project was born from: an fp16 model replicated by DataParallel must
 compute exactly what it computes on one GPU, with BatchNorm kept in fp32 on every replica.
@@ -20,8 +20,8 @@ from imagenet.precision import (AutocastPrecision,
     configure_tf32,
     iter_norm_modules)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+cuda = pytest.mark.gpu
+two_gpus = pytest.mark.gpu(2)
 
 
 def _fp16_resnet(device="cuda:0"):
@@ -294,20 +294,3 @@ def test_cuda_graph_compiled_training_follows_eager_training(mode):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(graph_rm.float(), eager_rm.float(), rtol=2e-2, atol=2e-3)
     assert graph_l[4] < graph_l[0]  # and it learns (the same batch, four steps later)
-
-
-@cuda
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
-def test_every_compile_mode_trains_through_main(mode, tmp_path, capsys):
-    """Each --compile mode of the help runs end to end (max-autotune died in Inductor on the
-    legacy/new TF32 API mix), with fp16 masters and channels_last as a user would."""
-    import json
-    from imagenet.base.config import COMPILE_MODES
-    from imagenet.cli import main
-    assert mode in COMPILE_MODES
-    rc = main(["--dummy", "--dummy-train-size", "96", "--dummy-val-size", "32", "--dummy-classes", "10",
-               "-a", "resnet18", "-b", "32", "-j", "0", "--image-size", "32", "--val-resize", "32", "--epochs", "1",
-               "--fp16", "--channels-last", "--compile", mode, "--output-dir", str(tmp_path)])
-    assert rc == 0, capsys.readouterr().err[-3000:]
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert row["steps"] == 3 and row["val_samples"] == 32

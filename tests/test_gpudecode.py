@@ -344,7 +344,7 @@ def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
     assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2}
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.gpu
 
 
 @cuda

@@ -101,14 +101,14 @@ def test_the_table_follows_the_boxes():
     assert scales[0].tolist() == pytest.approx([300 / 256, 400 / 341])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_kernel_matches_torchs_per_image_resize_on_the_gpu():
     for seed in range(3):
         res = compare(seed=seed, n=64, size=224, device="cuda")
         assert res["max"] <= 1 and res["frac_off"] < 0.01 and res["ready_equal"], res
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monkeypatch):
     """Real JPEGs through decode_batch on the GPU (nvJPEG, then the kernel), beside a PNG, a
     CMYK JPEG and an unreadable file: each image once, in order; the kernel's pixels are the

@@ -2,7 +2,7 @@
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined); on a GPU, compiled, also inside torch.compile,
-and through main.py under DDP.
+and through main.py in tests/test_gpu_runs.py.
 """
 
 import json
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from imagenet.base.errors import UserError
 from imagenet.kernels.maxpool import StemMaxPool, is_stem_pool
 from imagenet.models.registry import create_model, use_stem_kernels, has_stem_kernels
-from tests.helpers import multiproc_dummy_run
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -123,7 +122,7 @@ def test_main_refuses_the_kernels_where_they_cannot_run(tmp_path):
 
 # ---------------------------------------------------------------------------------------- GPU
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 
 
 @gpu
@@ -162,12 +161,3 @@ def test_kernels_inside_torch_compile_give_the_eager_results():
     got = torch.compile(f)(b)
     got.backward()
     assert torch.equal(ref, got) and torch.equal(a.grad, b.grad)
-
-
-@gpu
-@pytest.mark.parametrize("flags", [["--fp16", "--compile", "reduce-overhead"], ["--amp", "--compile", "off"]])
-def test_main_trains_with_the_kernels_under_ddp(tmp_path, flags):
-    r, rows = multiproc_dummy_run(tmp_path, "resnet18", "--maxpool-kernel", "triton", *flags)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "stem max-pool on Triton kernels" in r.stdout + r.stderr
-    assert rows and all(torch.isfinite(torch.tensor(row["train_loss"])) for row in rows)

@@ -148,8 +148,7 @@ class _Numbered(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background-thread"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_device_loader_yields_every_batch_exactly_once(device, background):
     loader = DeviceLoader(DataLoader(_Numbered(), batch_size=5, collate_fn=collate_skipping, num_workers=2),
                           torch.device(device), True, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255),

@@ -138,7 +138,7 @@ _QUEUES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("user_value, early", [(None, True), ("8", False)])
 def test_the_cuda_context_gets_the_queues(user_value, early):
     """The value the CUDA context was created with, seen in what it does: a stream is not held

@@ -64,7 +64,7 @@ def epoch(loader, model=None, ctx=CPU):
     return out, time.perf_counter() - start
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_on_a_gpu_the_wait_is_the_devices_idle_time_not_the_hosts():
     """The host waits 10 ms a batch either way. While the GPU still works through ~30 ms of
     queued steps that wait costs nothing (the host's own wait would say a quarter of the time);

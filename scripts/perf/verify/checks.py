@@ -30,7 +30,7 @@ SMOKE_ROWS = (
 # test_gpu.py is GPU-only; the others hold GPU cases among CPU ones (the background and
 # prefetching loaders on a device, nvJPEG's decode path)
 SMOKE_TESTS = "tests/test_gpu.py tests/test_precision.py tests/test_pipeline.py tests/test_gpudecode.py"
-SUITE_GPU_TESTS = "tests/test_gpu.py tests/test_gpugeometry.py tests/test_gpudecode.py"
+SUITE_GPU_TESTS = "-m gpu tests"  # every GPU test, as scripts/test_gpu.sh runs them
 
 
 def phase_smoke(args) -> None:
