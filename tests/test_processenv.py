@@ -111,42 +111,34 @@ def test_config_yaml_records_what_the_trainer_set(tmp_path):
     assert "# environment the trainer set for itself" in text and "CUDA_DEVICE_MAX_CONNECTIONS=32" in text
 
 
-_QUEUES = textwrap.dedent("""
-    import sys, time
+_CONTEXT = textwrap.dedent("""
+    import ctypes, sys
     sys.path.insert(0, ".")
     from imagenet.base.config import parse_config
     from imagenet.cli import prepare_process
     prepare_process(parse_config(["--dummy"]))
     import torch
-    # 16 streams each spin for ~1 s; then a tiny kernel on a 17th. With 17 or more hardware queues it
-    # ends at once; with fewer, its queue holds a spinning stream's work and it waits for it.
-    cycles = int(2e9)
-    busy = [torch.cuda.Stream() for _ in range(16)]
-    probe = torch.cuda.Stream()
-    x = torch.ones(1, device="cuda")
-    torch.cuda.synchronize()
-    for s in busy:
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(cycles)
-    with torch.cuda.stream(probe):
-        x.add_(1)
-        done = torch.cuda.Event()
-        done.record()
-    time.sleep(0.05)
-    print("PROBE-DONE-EARLY", done.query(), flush=True)
-    torch.cuda.synchronize()
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    assert not torch.cuda.is_initialized()
+    before = libc.getenv(b"CUDA_DEVICE_MAX_CONNECTIONS")  # what the driver reads as it makes the context
+    torch.zeros(1, device="cuda")
+    assert torch.cuda.is_initialized()
+    print("AT-CONTEXT", (before or b"unset").decode(), flush=True)
 """)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("user_value, early", [(None, True), ("8", False)])
-def test_the_cuda_context_gets_the_queues(user_value, early):
-    """The value the CUDA context was created with, seen in what it does: a stream is not held
-    behind 16 busy ones with the trainer's setting, and is with CUDA's default of 8 (the control)."""
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("user_value, seen", [(None, "32"), ("8", "8")])
+def test_the_cuda_context_is_created_with_the_queues(user_value, seen):
+    """The process environment the CUDA driver reads (libc's, which ``os.environ`` writes through)
+    holds the trainer's value when the context is created, or the user's own. (A probe of the
+    queues' behaviour, a stream behind 16 busy ones, did not tell 8 queues from 32 on an H200;
+    the input path's measurements do: docs/BENCHMARKS.md.)"""
     env = {k: v for k, v in os.environ.items() if k != MAX_CONNECTIONS}
     if user_value:
         env[MAX_CONNECTIONS] = user_value
-    r = subprocess.run([sys.executable, "-c", _QUEUES], cwd=REPO, env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _CONTEXT], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"PROBE-DONE-EARLY {early}" in r.stdout, r.stdout
+    assert f"AT-CONTEXT {seen}" in r.stdout, r.stdout
