@@ -40,7 +40,10 @@ def test_two_processes_on_one_gpu_train_as_one_with_the_speed_defaults(training_
     # both ranks' images: the totals are summed over the ranks
     assert (row["world_size"], row["steps"], row["train_samples"]) == (2, STEPS, STEPS * BATCH), row
     a, b = training_runs.losses("one"), training_runs.losses("two.0")
-    assert len(a) == len(b) == STEPS and b == pytest.approx(a, rel=5e-3), (a, b)
+    # On an H200 the two ran 0.6% apart at most over the 5 steps (cuDNN's algorithms and the
+    # kernels' reductions are not bit-reproducible); a rank skipping the all-reduce, or summing
+    # the gradients, moved the loss 3% on a CPU and the updates over 100%
+    assert len(a) == len(b) == STEPS and b == pytest.approx(a, rel=1.5e-2), (a, b)
     ua, ub = training_runs.updates("one"), training_runs.updates("two")
     assert float((ub - ua).norm() / ua.norm()) < 0.1
 
