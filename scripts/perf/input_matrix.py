@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import re
 import shutil
@@ -30,8 +29,13 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # there when run as a script, not when a test loads this file by its path
+    sys.path.insert(0, HERE)
+
+from verify.common import PY, REPO, last_metrics  # noqa: E402
+from verify.data import ensure_shards  # noqa: E402
+
 MODES = {"graphs": "", "eager": " --compile off"}
 
 
@@ -68,11 +72,7 @@ def ensure_data(args) -> tuple:
         subprocess.run([PY, "scripts/perf/make_benchmark_imagefolder.py", folder, "--classes", "100",
                         "--train-per-class", str(args.per_class), "--val-per-class", "2", "--jobs",
                         str(os.cpu_count())], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    if not os.path.exists(os.path.join(shards, "index.json")):
-        subprocess.run([PY, "scripts/make_shards.py", folder, shards, "--shard-size", "64MB", "--workers",
-                        str(os.cpu_count()), "-q"],
-                       cwd=REPO, check=True)
-    return folder, shards
+    return folder, ensure_shards(args, folder, shards, "64MB")
 
 
 def command(row, args, data: dict, out: str) -> list:
@@ -100,13 +100,13 @@ def run_row(row, args, data: dict) -> dict:
     t0 = time.time()
     procs = []
     for rank, (env, line) in enumerate(command(row, args, data, out)):
-        log = open(os.path.join(args.out, f"{name}.{rank}.log"), "w")
-        procs.append(subprocess.Popen(f"timeout {args.timeout} {PY} {line}", shell=True, cwd=REPO, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        with open(os.path.join(args.out, f"{name}.{rank}.log"), "w") as log:
+            procs.append(subprocess.Popen(f"timeout {args.timeout} {PY} {line}", shell=True, cwd=REPO, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
     rc = max(p.wait() for p in procs)
-    text = open(os.path.join(args.out, f"{name}.0.log")).read()
-    metrics = os.path.join(out, "metrics.jsonl")
-    epochs = [json.loads(ln) for ln in open(metrics)][1:] if os.path.exists(metrics) else []
+    with open(os.path.join(args.out, f"{name}.0.log")) as fh:
+        text = fh.read()
+    epochs = last_metrics(out)[1:]
     chose = re.search(r"=> default: JPEGs decoded (on the GPU|in the CPU workers)", text)
     res = {"name": name, "row": row, "rc": rc, "seconds": time.time() - t0, "cmd": command(row, args, data, out)[0][1],
            "chose": {"on the GPU": "gpu", "in the CPU workers": "cpu"}[chose.group(1)] if chose else "",
