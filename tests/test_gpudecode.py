@@ -18,7 +18,8 @@ from imagenet.cli import main
 from imagenet.data.gpu import jpeg as gpujpeg
 from imagenet.data.decode import TrainDecoder, ValDecoder, path_identity
 from imagenet.data.images.folder import SafeImageFolder
-from imagenet.data.gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch
+from imagenet.data.gpu.decode import (CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader, decode_batch,
+                                      decode_images, finish_batch)
 from imagenet.data.gpu.account import STAGES
 from imagenet.data.loaders import collate_skipping
 from imagenet.data.prefetch import DeviceLoader
@@ -237,6 +238,23 @@ def test_an_undecodable_jpeg_is_skipped_and_the_rest_of_the_batch_survives(files
     images, keep, bad, counts = decode_batch(JpegBatch.collate(items), CPU)
     assert keep == [True, False, True] and bad == ["garbage.JPEG"] and images.shape[0] == 2
     assert counts == {"gpu": 2, "cpu": 0}
+
+
+def test_the_two_halves_make_what_decode_batch_made(files):
+    """decode_images then finish_batch (the background path's two threads) give decode_batch's
+    batch: JPEGs, a worker's fallback and an unreadable file among them, at their places."""
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    torch.manual_seed(5)
+    items = [reader(files["jpeg"][0]), reader(files["png"]), garbage_job(), reader(files["jpeg"][2]),
+             reader(files["grey"])]
+    batch = JpegBatch.collate(items, [0, 1, 2, 3, 4])
+    want = decode_batch(batch, CPU)
+    decoded = decode_images(batch, CPU)
+    assert decoded.counts == {"gpu": 3, "cpu": 1} and decoded.images[1] is None  # not finished yet
+    got = finish_batch(decoded, CPU)
+    assert torch.equal(got.images, want.images) and got.images.shape == (4, 32, 32, 3)
+    assert got.keep == want.keep == [True, True, False, True, True]
+    assert got.bad == want.bad == ["garbage.JPEG"] and got.counts == want.counts
 
 
 def test_a_file_whose_header_is_cut_is_skipped_by_the_dataset(files, tmp_path):

@@ -7,10 +7,12 @@ collate function lays the targets, the geometry kernel's table and the compresse
 shared-memory buffer: a batch crosses to the training process as one file descriptor, not as
 bytes pickled through a pipe.
 
-Device side (:func:`decode_batch`): one batched call of the JPEG decoder (:mod:`.jpeg`), then
-one kernel (:mod:`imagenet.kernels.gpugeometry`) crops, resizes with PIL's antialiased bilinear
-filter (the CPU path's pixels within rounding) and flips every image, reading each decoded image
-where the decoder left it; without Triton, torch's resize does it image by image.
+Device side (:func:`decode_batch`): one batched call of the JPEG decoder (:mod:`.jpeg`;
+:func:`decode_images`), then one kernel (:mod:`imagenet.kernels.gpugeometry`;
+:func:`finish_batch`) crops, resizes with PIL's antialiased bilinear filter (the CPU path's
+pixels within rounding) and flips every image, reading each decoded image where the decoder left
+it; without Triton, torch's resize does it image by image. The two halves are separate so that
+the background path can run them in two threads (:mod:`imagenet.data.prefetch`).
 
 Fallbacks, counted per epoch: files the GPU decoder does not take as they are (not JPEG, not RGB
 or greyscale, progressive: the hardware engines take baseline JPEGs only; EXIF-rotated: TorchCodec
@@ -255,10 +257,18 @@ class Decoded(NamedTuple):
     counts: dict  # {"gpu": decoded on the device, "cpu": fallbacks decoded on a CPU}
 
 
-def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujpeg.JpegDecoder] = None,
-                 account: Optional[InputAccount] = None) -> Decoded:
-    """Decode a JpegBatch on ``device`` with ``decoder`` (default: :func:`gpujpeg.require`);
-    ``account``: where the decoder call's and the kernel's time go."""
+class DecodedJpegs(NamedTuple):
+    """A batch's JPEGs decoded (:func:`decode_images`), not yet cropped (:func:`finish_batch`)."""
+
+    batch: JpegBatch
+    images: list  # per JPEG of the batch: CHW uint8 on the device, None where nothing could read it
+    counts: dict  # {"gpu": decoded by the decoder, "cpu": decoded on a CPU (the workers' and ours)}
+
+
+def decode_images(batch: JpegBatch, device: torch.device, decoder: Optional[gpujpeg.JpegDecoder] = None,
+                  account: Optional[InputAccount] = None) -> DecodedJpegs:
+    """The first half of :func:`decode_batch`: the decoder's one call over the batch's JPEGs, and
+    the CPU's decode of those it refused; ``account``: where the call's time goes."""
     decoder = decoder or gpujpeg.require()
     account = account or InputAccount()
     views = list(batch.data.split(batch.lengths)) if batch.lengths else []
@@ -273,21 +283,28 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
     for k, (img, size) in enumerate(zip(images, sizes)):
         if img is not None and list(img.shape) != [3, *size]:
             images[k] = None
-    bad_jobs = []
     for k in [k for k, img in enumerate(images) if img is None]:  # the decoder refused it (an odd JPEG)
         counts["gpu"] -= 1
         img = gpujpeg.pil_decode(views[k])
-        if img is None:
-            bad_jobs.append(k)
-        else:
+        if img is not None:
             images[k] = img.to(device)
             counts["cpu"] += 1
+    return DecodedJpegs(batch, images, counts)
+
+
+def finish_batch(decoded: DecodedJpegs, device: torch.device, account: Optional[InputAccount] = None) -> Decoded:
+    """The second half of :func:`decode_batch`: every decoded image cropped, resized and flipped
+    into one batch beside the workers' fallbacks, the unreadable ones left out; ``account``:
+    where the kernel's GPU time goes."""
+    account = account or InputAccount()
+    batch, images, counts = decoded
+    bad_jobs = [k for k, img in enumerate(images) if img is None]
     ints, scales, ready_rows = batch.ints, batch.scales, batch.ready_rows
     keep = [True] * len(batch)
     if bad_jobs:
         for k in bad_jobs:
             keep[int(ints[k, gpugeometry.ROW])] = False
-        alive = torch.tensor([k not in bad_jobs for k in range(len(images))])
+        alive = torch.tensor([img is not None for img in images])
         images = [img for img in images if img is not None]
         row_of = torch.tensor(keep).cumsum(0) - 1  # a place in the batch -> its row among the kept
         ints, scales = ints[alive], scales[alive]  # copies: the batch's own table stays as it came
@@ -303,6 +320,15 @@ def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujp
         else:
             out = _per_image(images, ints, scales, batch.ready, ready_rows, batch.size, device)
     return Decoded(out, keep, bad, counts)
+
+
+def decode_batch(batch: JpegBatch, device: torch.device, decoder: Optional[gpujpeg.JpegDecoder] = None,
+                 account: Optional[InputAccount] = None) -> Decoded:
+    """Decode a JpegBatch on ``device`` with ``decoder`` (default: :func:`gpujpeg.require`);
+    ``account``: where the decoder call's and the kernel's time go. :func:`decode_images` then
+    :func:`finish_batch`, which the background path runs in two threads."""
+    account = account or InputAccount()
+    return finish_batch(decode_images(batch, device, decoder, account), device, account)
 
 
 def _batched(images: list, ints: torch.Tensor, scales: torch.Tensor, ready: torch.Tensor, ready_rows: list,
