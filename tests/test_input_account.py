@@ -27,10 +27,14 @@ WORKERS_SLOW = stages(read=5, parse=60, starved=20, busy=9, ahead=0.1)
 FILES_SLOW = stages(read=70, parse=15, starved=30, busy=9)
 GPU_SLOW = stages(read=5, parse=30, starved=1, busy=44, ahead=0.5)
 READY = stages(read=5, parse=30, starved=1, busy=9, ahead=25)
+# the decode thread waited for the finishing thread, which worked all the time
+FINISH_SLOW = stages(read=5, parse=30, starved=1, busy=9, ahead=24, finish_busy=33, finish_ahead=0.2)
+# both threads waited for room: the step took the batches late
+READY_BOTH = stages(read=5, parse=30, starved=1, busy=9, ahead=24, finish_busy=5, finish_ahead=27)
 
 
 @pytest.mark.parametrize("account, stage", [(WORKERS_SLOW, "workers"), (FILES_SLOW, "files"), (GPU_SLOW, "gpu"),
-                                            (READY, "ready")])
+                                            (READY, "ready"), (FINISH_SLOW, "gpu"), (READY_BOTH, "ready")])
 def test_the_stage_that_held_the_batches_up(account, stage):
     assert limiting_stage(account) == stage
 
@@ -48,6 +52,15 @@ def test_idle_workers_and_a_busy_decode_thread_name_the_gpu_decoding_stage():
     assert "already have every CPU" not in line and line.endswith("try --decode cpu -j 15, which decodes in the workers")
     assert "--decode cpu is unlikely to do better" in hint(GPU_SLOW, cpus=8)
     assert hint(READY).startswith("the GPU decoding stage was the limit: its thread had the batches ready ahead")
+
+
+def test_a_busy_finishing_thread_is_named_with_the_decode_threads_wait_for_it():
+    line = hint(FINISH_SLOW, workers=15)
+    assert line.startswith("the GPU decoding stage was the limit: its finishing thread was busy 33 ms a batch (the "
+                           "geometry kernel's table and launches, the normalisation) while the decode thread waited "
+                           "24 ms a batch for it and the 15 data workers kept up; try --decode cpu -j 15")
+    assert describe(FINISH_SLOW, 15).endswith("waiting for room 71%; finishing thread busy 33.0 ms/batch, waiting "
+                                              "for room 0.2 ms/batch (50 batches)")
 
 
 def test_slow_workers_and_slow_reads_are_named_with_what_to_try():
@@ -98,7 +111,7 @@ def test_the_line_names_the_parts_it_timed():
                     "ms/batch, normalise 0.50 ms/batch; training thread waited 0.2 ms/batch (50 batches)")
     line = hint(stages(read=5, parse=30, starved=1, busy=44, decode=30, ahead=0.5), workers=15)
     assert line.startswith("the GPU decoding stage was the limit: its thread was busy 44 ms a batch (the decoder "
-                           "call 30 ms of it, launching the kernels the rest)")
+                           "call 30 ms of it)")
     assert hint(stages(read=5, parse=30, starved=1, busy=9, ahead=25, geometry=1.5, normalise=0.5)).endswith(
         "so the loop waited for the decode's kernels on the GPU (2.0 ms a batch of GPU time)")
 
@@ -133,8 +146,8 @@ def test_the_decode_thread_accounts_its_waits_and_its_work(jpeg_and_png):
     loader = DeviceLoader(batches, torch.device("cpu"), False, (0.5,) * 3, (0.25,) * 3, background=True)
     assert sum(len(t) for _, t, _ in loader) == 6
     got = loader.stage_account()
-    assert got["batches"] == 3 and got["busy"] > 0 and got["collate"] > 0
-    assert set(got) == {"batches", *STAGES}  # one decode thread: stages and the batch count, nothing else
+    assert got["batches"] == 3 and got["busy"] > 0 and got["collate"] > 0 and got["finish_busy"] > 0
+    assert set(got) == {"batches", *STAGES}  # stages and the batch count, nothing else
     assert 0 < got["decode"] <= got["busy"] and got["thread_cpu"] > 0
     assert got["geometry"] == got["normalise"] == 0  # GPU stages: none on a CPU
     assert got["read"] == pytest.approx(1000 * batch.worker_seconds[0], abs=1e-3)  # rounded to a microsecond

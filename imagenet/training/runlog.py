@@ -164,8 +164,12 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
             else:
                 tip = (f"with {cpus} CPUs {here}, --decode cpu is unlikely to do better (on an H200, 12 decoding "
                        f"workers fed 75% of the step, 15 fed 91-99%)")
-            doing = (f"the decoder call {g('decode', 0):.0f} ms of it, launching the kernels the rest" if g("decode", 0)
-                     else "nvJPEG's decode and the kernels' launches")
+            if g("finish_busy", 0) > g("busy", 0):
+                return (f"the GPU decoding stage was the limit: its finishing thread was busy "
+                        f"{g('finish_busy', 0):.0f} ms a batch (the geometry kernel's table and launches, the "
+                        f"normalisation) while the decode thread waited {g('ahead', 0):.0f} ms a batch for it and the "
+                        f"{workers} kept up; {tip}")
+            doing = f"the decoder call {g('decode', 0):.0f} ms of it" if g("decode", 0) else "nvJPEG's decode"
             return (f"the GPU decoding stage was the limit: its thread was busy {g('busy', 0):.0f} ms a batch "
                     f"({doing}) while the {workers} kept up (it waited "
                     f"{g('starved', 0):.0f} ms a batch for them); {tip}")

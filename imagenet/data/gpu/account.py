@@ -2,12 +2,13 @@
 
 Stages (their meanings beside :data:`STAGES`): the workers' (one worker's seconds for the whole
 batch; ``-j`` of them work side by side), the decode thread's
-(:class:`imagenet.data.prefetch.DeviceLoader`'s background thread, all of its time and parts of
-it), the GPU's (CUDA timing events on the decode stream; zero on a CPU) and the training
-thread's wait at the queue.
+(:class:`imagenet.data.prefetch.DeviceLoader`'s first background thread, the one that calls the
+decoder: all of its time and parts of it), the finishing thread's (the second: its work and its
+wait for room), the GPU's (CUDA timing events on the finishing stream; zero on a CPU) and the
+training thread's wait at the queue.
 
 Host clocks are read around calls that return anyway, and the two GPU stages are events recorded
-on the decode stream and read once they are done (the epoch's last few when it is taken): nothing
+on the finishing stream and read once they are done (the epoch's last few when it is taken): nothing
 here makes the host wait for the GPU. The wait for an epoch's first batch (the workers starting
 on it) is left out, as the training rate leaves out the first steps. The training loop's own
 share of waiting is the epoch's ``data_wait_frac``. :meth:`InputAccount.take` reports
@@ -28,23 +29,27 @@ import torch
 # header, the crop and flip draw; fallback: decoding on the worker's CPU what the GPU does not take
 # (PNG, CMYK, progressive, EXIF-rotated); collate: laying the batch in its shared-memory buffer
 WORKER_STAGES = ("read", "parse", "fallback", "collate")
-# starved: waiting for the workers' next batch (the hand-off included); busy: preparing the batch
-# (the decoder call, launching the geometry and normalisation kernels); ahead: waiting for room in
-# the queue, batches ready before the step wants them
+# starved: waiting for the workers' next batch (the hand-off included); busy: decoding the batch
+# (the decoder call, the CPU's decode of the JPEGs it refused); ahead: waiting for the finishing
+# thread to take it, batches decoded before they are wanted
 THREAD_STAGES = ("starved", "busy", "ahead")
 # handoff: of starved, unpickling the batch (shared memory: descriptors, not bytes); decode: of busy,
 # the decoder call, which waits on the host for nvJPEG; decode_cpu: that call's CPU time (the rest
 # is waiting for the GPU); thread_cpu: the thread's CPU time (much of it holding the GIL)
 DETAIL_STAGES = ("handoff", "decode", "decode_cpu", "thread_cpu")
+# the finishing thread's finish_busy: the geometry kernel's table and launches, the normalisation's,
+# the targets' copy; finish_ahead: waiting for room in the queue, batches ready before the step
+# wants them (the rest of its time it waits for the decode thread)
+FINISH_STAGES = ("finish_busy", "finish_ahead")
 # geometry: the crop, resize and flip kernel and its copies; normalise: uint8 to normalised float
 GPU_STAGES = ("geometry", "normalise")
 # train_wait: the training thread waiting at the queue for a prepared batch
-STAGES = WORKER_STAGES + THREAD_STAGES + DETAIL_STAGES + GPU_STAGES + ("train_wait",)
+STAGES = WORKER_STAGES + THREAD_STAGES + DETAIL_STAGES + FINISH_STAGES + GPU_STAGES + ("train_wait",)
 
 
 class InputAccount:
     """Seconds per stage, summed over the batches since the last :meth:`take`; thread-safe (the
-    decode thread adds, the training thread takes)."""
+    background threads add, the training thread takes)."""
 
     def __init__(self, cuda: bool = False):
         self.cuda = cuda  # time the GPU stages (events on the current stream)
@@ -117,16 +122,20 @@ def limiting_stage(stages: dict) -> str:
 
     * ``"files"`` -- the workers, and most of their time went to reading files;
     * ``"workers"`` -- the workers (header parsing, crop draws, CPU fallbacks, or too few of them);
-    * ``"gpu"`` -- the GPU decoding stage: its thread was busy while the workers kept up;
-    * ``"ready"`` -- the batches were ready ahead of the step: the loop's wait was for the decode
-      stream's kernels on the GPU (the ``geometry`` and ``normalise`` stages time them).
+    * ``"gpu"`` -- the GPU decoding stage: one of its threads was busy while the workers kept up
+      (the decode thread, or the finishing thread while the decode thread waited for it);
+    * ``"ready"`` -- the batches were ready ahead of the step: the loop's wait was for the
+      finishing stream's kernels on the GPU (the ``geometry`` and ``normalise`` stages time them).
 
     The decode thread meets the workers' pace as ``starved`` time: waiting for them longer than
-    working means they were the limit.
+    working means they were the limit. Waiting for room longer than both, it had the batches
+    ahead of the finishing thread: that thread was the limit if it worked longer than it waited
+    for room, else the batches were ready.
     """
     starved, busy, ahead = (stages.get(k, 0.0) for k in THREAD_STAGES)
+    finish_busy, finish_ahead = (stages.get(k, 0.0) for k in FINISH_STAGES)
     if ahead > busy + starved:
-        return "ready"
+        return "gpu" if finish_busy > finish_ahead else "ready"
     if starved > busy:
         work = worker_ms(stages)
         return "files" if work and stages.get("read", 0.0) > 0.5 * work else "workers"
@@ -135,7 +144,8 @@ def limiting_stage(stages: dict) -> str:
 
 def describe(stages: dict, workers: int) -> str:
     """The epoch's line: the workers' stages in milliseconds per batch, the decode thread's shares
-    (and, where timed, the parts of them, the GPU's stages and the training thread's wait)."""
+    (and, where timed, the parts of them, the finishing thread's work and wait for room, the GPU's
+    stages and the training thread's wait)."""
     g = stages.get
     busy, starved, ahead = thread_shares(stages)
 
@@ -144,6 +154,8 @@ def describe(stages: dict, workers: int) -> str:
     decode = (f": decoder call {g('decode', 0):.1f} ms, {g('decode_cpu', 0):.1f} of it on the CPU"
               if g("decode", 0) else "")
     handoff = f" (hand-off {g('handoff', 0):.1f} ms/batch)" if g("handoff", 0) else ""
+    finish = (f"; finishing thread busy {g('finish_busy', 0):.1f} ms/batch, waiting for room "
+              f"{g('finish_ahead', 0):.1f} ms/batch" if g("finish_busy", 0) else "")
     gpu = (f"; on the GPU: geometry {g('geometry', 0):.2f} ms/batch, normalise {g('normalise', 0):.2f} ms/batch"
            if g("geometry", 0) or g("normalise", 0) else "")
     wait = f"; training thread waited {g('train_wait', 0):.1f} ms/batch" if g("train_wait", 0) else ""
@@ -151,4 +163,4 @@ def describe(stages: dict, workers: int) -> str:
             f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')} (one worker's time for a "
             f"batch; {workers} worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% "
             f"({g('busy', 0):.1f} ms/batch{decode}), waiting for workers {100 * starved:.0f}%{handoff}, waiting for "
-            f"room {100 * ahead:.0f}%{part('CPU', 'thread_cpu')}{gpu}{wait} ({stages['batches']} batches)")
+            f"room {100 * ahead:.0f}%{part('CPU', 'thread_cpu')}{finish}{gpu}{wait} ({stages['batches']} batches)")
