@@ -5,6 +5,7 @@ import builtins
 import io
 import os
 import pickle
+import threading
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -324,6 +325,81 @@ def test_a_batch_of_fallbacks_only_is_still_counted(files, background):
         assert images.shape == (2, 3, 32, 32)
         break  # the second batch is never taken: it must not be counted
     assert loader.decode_counts() == {"gpu": 0, "cpu": 2}
+
+
+def _decoder_calling(hook):
+    """The CPU's decoder behind the same interface, calling ``hook()`` first at each call."""
+    real = gpujpeg.find()
+
+    def batched(datas, device):
+        hook()
+        return real._batched(datas, device)
+    return gpujpeg.JpegDecoder("hooked", batched)
+
+
+def _jpeg_batches(files, n):
+    """``n`` batches of a JPEG and a worker's fallback, targets (2k, 2k + 1)."""
+    reader = TrainJpegReader(TrainDecoder(32, 0.3, 0.5))
+    batch = JpegBatch.collate([reader(files["jpeg"][0]), reader(files["png"])])
+    return [(batch, torch.tensor([2 * k, 2 * k + 1]), []) for k in range(n)]
+
+
+def _background(batches, decoder):
+    return DeviceLoader(batches, CPU, False, (0.5,) * 3, (0.25,) * 3, background=True, decoder=decoder)
+
+
+def _pipeline_threads() -> list:
+    return [t for t in threading.enumerate() if t.name in ("batch-decode", "batch-finish")]
+
+
+def test_the_next_batch_decodes_while_this_one_is_finished_and_the_order_is_kept(files):
+    """Two background threads: the decoder's call on one, the rest (the geometry, the
+    normalisation) on the other, so batch k + 1's decoder call starts before batch k is finished;
+    the batches still arrive in order."""
+    calls, started = [], [threading.Event() for _ in range(6)]
+
+    def decoding():
+        calls.append(threading.current_thread().name)
+        started[len(calls) - 1].set()
+    loader = _background(_jpeg_batches(files, 5), _decoder_calling(decoding))
+    normalize, finishers, overlapped = loader.normalize, [], []
+
+    def normalising(images):  # batch k's last step waits for batch k + 1's decoder call to start
+        k = len(finishers)
+        finishers.append(threading.current_thread().name)
+        if k < 4 and all(overlapped):
+            overlapped.append(started[k + 1].wait(timeout=5))
+        return normalize(images)
+    loader.normalize = normalising
+    seen = [t for _, targets, _ in loader for t in targets.tolist()]
+    assert seen == list(range(10))
+    assert set(calls) == {"batch-decode"} and set(finishers) == {"batch-finish"}
+    assert overlapped == [True] * 4
+    assert loader.decode_counts() == {"gpu": 5, "cpu": 5} and not _pipeline_threads()
+
+
+@pytest.mark.parametrize("stage", ["batch-decode", "batch-finish"])
+def test_an_error_in_either_thread_reaches_the_loop_after_the_batches_before_it(files, stage):
+    """A decoder's device error (the decode thread) or a failing kernel (the finishing thread)
+    on the third batch: the loop gets the two before it, then the error, and both threads end."""
+    calls, raised_in = [], []
+
+    def fail_third():
+        calls.append(1)
+        if len(calls) == 3:
+            raised_in.append(threading.current_thread().name)
+            raise RuntimeError("CUDA error: an illegal memory access")
+    loader = _background(_jpeg_batches(files, 5), _decoder_calling(fail_third if stage == "batch-decode"
+                                                                    else lambda: None))
+    if stage == "batch-finish":
+        normalize = loader.normalize
+        loader.normalize = lambda images: (fail_third(), normalize(images))[1]
+    seen = []
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        for _, targets, _ in loader:
+            seen += targets.tolist()
+    assert seen == [0, 1, 2, 3] and raised_in == [stage]
+    assert not _pipeline_threads()
 
 
 def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):

@@ -168,15 +168,19 @@ def _background_loader(dataset, **kw):
                         False, (0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255), background=True)
 
 
-def test_background_loader_stops_its_thread_when_the_loop_breaks_and_starts_again():
+def test_background_loader_stops_its_threads_when_the_loop_breaks_and_starts_again():
     """An early stop (--prof, preemption) must leave no thread on the loader's iterator: with
-    persistent workers the next epoch's iterator is the same object."""
+    persistent workers the next epoch's iterator is the same object. Both threads (the decode
+    thread, the finishing thread) are ended and joined."""
     import threading
+
+    def threads():
+        return sorted(t.name for t in threading.enumerate() if t.name in ("batch-decode", "batch-finish"))
     loader = _background_loader(_Numbered(), num_workers=2, persistent_workers=True)
-    for k, (_, targets, _) in enumerate(loader):
-        if k == 2:
-            break
-    assert not [t for t in threading.enumerate() if t.name == "batch-prepare"]
+    for _ in loader:
+        assert threads() == ["batch-decode", "batch-finish"]
+        break
+    assert threads() == []
     seen = [i for _, targets, _ in loader for i in targets.tolist()]
     assert seen == list(range(37))
 

@@ -6,14 +6,18 @@ do it instead: :class:`imagenet.data.loaders.CollateNormalized`); the NHWC layou
 memory, so that layout costs nothing. Float NCHW images (the classic torchvision transforms,
 synthetic data) pass through, laid out as asked.
 
-With ``background=True`` (``--decode gpu``) one thread takes the batches from the DataLoader
-and prepares them -- the JPEG decode, crops, resizes -- on a high-priority stream of its own,
-up to ``depth`` batches ahead. The decoder call waits on the host for its decode: in the
-training thread it would hold up the step's own launches. One thread is enough: the decoder
-takes a whole batch per call, and more calls side by side did not raise the rate (docs/INPUT.md).
-The thread keeps an account of its waits and work, of the GPU time of its kernels and of the
-workers' own times that came with each batch (:mod:`imagenet.data.gpu.account`), read per
-epoch with :meth:`DeviceLoader.stage_account`.
+With ``background=True`` (``--decode gpu``) two threads prepare the batches, up to ``depth``
+ahead of the step. The first ("batch-decode") takes each batch from the DataLoader and makes the
+decoder's one call over its JPEGs; the second ("batch-finish") lays out the geometry kernel's
+table and launches the crops, resizes and normalisation on a high-priority stream of its own.
+The decoder call waits on the host for its decode: in the training thread it would hold up the
+step's own launches, and in one thread with the rest, the rest (the table, its pinned copies, the
+launches) would add to it; in two threads the decoder call is all the first one does, and the
+next batch decodes while this one is finished. One decode thread is enough: the decoder takes a
+whole batch per call, and more calls side by side did not raise the rate (docs/INPUT.md). The
+threads keep an account of their waits and work, of the GPU time of their kernels and of the
+workers' own times that came with each batch (:mod:`imagenet.data.gpu.account`), read per epoch
+with :meth:`DeviceLoader.stage_account`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from .gpu import jpeg as gpujpeg
 from .images.cropbatch import CropBatch
-from .gpu.decode import JpegBatch, decode_batch
+from .gpu.decode import DecodedJpegs, JpegBatch, decode_images, finish_batch
 from .gpu.account import InputAccount
 
 
@@ -65,7 +69,7 @@ class DeviceLoader:
         self.normalize = Normalize(mean, std, device)
         self.decoder = decoder  # --decode gpu's JPEG decoder (found at the first batch if None)
         self._counts = {"gpu": 0, "cpu": 0}
-        self.account = InputAccount(cuda=device.type == "cuda")  # the background thread's (--decode gpu)
+        self.account = InputAccount(cuda=device.type == "cuda")  # the background threads' (--decode gpu)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -88,19 +92,32 @@ class DeviceLoader:
         return counts
 
     def stage_account(self) -> dict:
-        """Milliseconds per batch in each stage of the background thread's input path since the
+        """Milliseconds per batch in each stage of the background threads' input path since the
         last call (:meth:`imagenet.data.gpu.account.InputAccount.take`; empty on the other paths)."""
         return self.account.take()
 
     def _to_device(self, batch) -> tuple:
         """(images, targets, skipped, decode counts) on the device."""
+        return self._finish(self._decode(batch))
+
+    def _decode(self, batch) -> tuple:
+        """A batch's first stage: its JPEGs decoded (a :class:`DecodedJpegs` in place of the
+        JpegBatch); any other batch as it came."""
+        images, targets, skipped = batch
+        if isinstance(images, JpegBatch) and targets.numel():
+            self.decoder = self.decoder or gpujpeg.require()
+            return decode_images(images, self.device, self.decoder, self.account), targets, skipped
+        return batch
+
+    def _finish(self, batch) -> tuple:
+        """A batch's second stage, after :meth:`_decode`: (images, targets, skipped, decode
+        counts) on the device."""
         images, targets, skipped = batch
         counts = None
         if targets.numel() == 0:
             return images, targets, skipped, counts
-        if isinstance(images, JpegBatch):
-            self.decoder = self.decoder or gpujpeg.require()
-            images, keep, bad, counts = decode_batch(images, self.device, self.decoder, self.account)
+        if isinstance(images, DecodedJpegs):
+            images, keep, bad, counts = finish_batch(images, self.device, self.account)
             if bad:
                 targets = targets[torch.tensor(keep)]
                 skipped = skipped + bad
@@ -157,14 +174,21 @@ class DeviceLoader:
 
     def _in_background(self) -> Iterator[tuple]:
         cuda = self.device.type == "cuda"
+        # the decoder writes from a stream of its own: this one has only the copies of the JPEGs
+        # it refused (decoded on the CPU), so the decoder's wait for it to drain costs nothing
+        decode_stream = torch.cuda.Stream(self.device) if cuda else None
         # high priority: the batch's small crop/resize kernels go ahead of the training step's
         # queued kernels instead of waiting for gaps in them
-        stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        finish_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        decoded: queue.Queue = queue.Queue(maxsize=1)  # one decoded batch waiting to be finished
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        thread = threading.Thread(target=self._prepare, args=(iter(self.loader), stream, ready, stop),
-                                  name="batch-prepare", daemon=True)
-        thread.start()
+        threads = [threading.Thread(target=self._decode_stage, args=(iter(self.loader), decode_stream, decoded, stop),
+                                    name="batch-decode", daemon=True),
+                   threading.Thread(target=self._finish_stage, args=(decoded, finish_stream, ready, stop),
+                                    name="batch-finish", daemon=True)]
+        for thread in threads:
+            thread.start()
         main = torch.cuda.current_stream(self.device) if cuda else None
         try:
             first = True
@@ -184,33 +208,28 @@ class DeviceLoader:
                     current = _used_on(main, current)
                 yield current
         finally:
-            # The thread must be done with the loader's iterator before anyone makes a new one
-            # (persistent workers reuse it): stop it and wait for the batch it is on. The
-            # DataLoader notices dead workers within seconds, so the wait is bounded; the limit
-            # only keeps an interrupted run from hanging at exit.
+            # The decode thread must be done with the loader's iterator before anyone makes a new
+            # one (persistent workers reuse it): stop both threads and wait for the batches they
+            # are on. The DataLoader notices dead workers within seconds, so the wait is bounded;
+            # the limit only keeps an interrupted run from hanging at exit.
             stop.set()
-            thread.join(timeout=120)
+            deadline = time.monotonic() + 120
+            for thread in threads:
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
-    def _prepare(self, it: Iterator, stream, ready: queue.Queue, stop: threading.Event) -> None:
-        """The background thread: each batch of ``it`` (the loader's) prepared on ``stream``, put in
-        ``ready`` as ("batch", prepared, event), then ("end", None, None), or ("error", e, None)."""
+    def _decode_stage(self, it: Iterator, stream, decoded: queue.Queue, stop: threading.Event) -> None:
+        """The first thread: each batch of ``it`` (the loader's) with its JPEGs decoded
+        (:meth:`_decode`) on ``stream``, put in ``decoded`` as ("batch", batch, event: the end of
+        its work on ``stream``), then ("end", None, None), or ("error", e, None). Its account is
+        the decode thread's: waiting for the workers, busy, waiting for room, its CPU time."""
         account = self.account
-
-        def offer(item) -> bool:
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
         try:
-            with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext(), \
-                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with _on(self.device, stream):
                 clock, cpu, first = time.perf_counter(), time.thread_time(), True
                 for batch in it:
                     arrived = time.perf_counter()
+                    if stop.is_set():
+                        return
                     if not first:  # the first wait is the workers starting up
                         account.add("starved", arrived - clock)
                     first = False
@@ -219,22 +238,107 @@ class DeviceLoader:
                         account.batch(images.worker_seconds, images.handoff)
                     else:
                         account.batch()
-                    prepared = self._to_device(batch)
-                    event = None
-                    if stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(stream)
+                    item = ("batch", self._decode(batch), _recorded(stream))
                     made = time.perf_counter()
                     account.add("busy", made - arrived)
-                    if not offer(("batch", prepared, event)):
+                    if not _offer(decoded, item, stop):
                         return
+                    del item  # the finishing thread's now: its images are freed when it is done
                     clock = time.perf_counter()
-                    account.add("ahead", clock - made)  # room in the queue only once the step took one
+                    account.add("ahead", clock - made)  # room only once the finishing thread took the last
                     account.add("thread_cpu", time.thread_time() - cpu)
                     cpu = time.thread_time()
-            offer(("end", None, None))
+            _offer(decoded, ("end", None, None), stop)
         except BaseException as e:  # a worker's error, a dead worker: raised again in the training thread
-            offer(("error", e, None))
+            _offer(decoded, ("error", e, None), stop)
+
+    def _finish_stage(self, decoded: queue.Queue, stream, ready: queue.Queue, stop: threading.Event) -> None:
+        """The second thread: each item of ``decoded`` finished (:meth:`_finish`) on ``stream``
+        and put in ``ready`` as ("batch", prepared, event), in order; the end or an error of the
+        first thread passed on as it came, or ("error", e, None) of its own."""
+        account = self.account
+        try:
+            with _on(self.device, stream):
+                while True:
+                    item = _take(decoded, stop)
+                    if item is None:  # stopped
+                        return
+                    if item[0] != "batch":
+                        _offer(ready, item, stop)
+                        return
+                    start = time.perf_counter()
+                    prepared = self._finish_one(item, stream)
+                    del item  # its decoded images: free once this stream is past the kernel reading them
+                    made = time.perf_counter()
+                    account.add("finish_busy", made - start)
+                    if not _offer(ready, prepared, stop):
+                        return
+                    account.add("finish_ahead", time.perf_counter() - made)
+        except BaseException as e:
+            _offer(ready, ("error", e, None), stop)
+
+    def _finish_one(self, item: tuple, stream) -> tuple:
+        """("batch", prepared, event) of one item of the decode thread, finished on ``stream``."""
+        _, batch, decode_done = item
+        if stream is not None:
+            # The decoded images were allocated on the decode stream (the decoder op allocates on
+            # its caller's stream and writes from a pool stream of its own, returning once done;
+            # the CPU-decoded ones are copied on the decode stream): this stream waits for that
+            # stream's work. The caching allocator would hand an image's memory back to the
+            # decode stream as soon as the last reference here goes, while the geometry kernel
+            # on this stream may still be reading it, and the decoder's next batch, which no
+            # stream ordering covers (its writes come from its own stream), could be written
+            # there. record_stream makes the allocator wait, at the free, for this stream to
+            # pass everything queued on it by then, the kernel included. The decoder's drain of
+            # the decode stream covers what that stream itself queued.
+            stream.wait_event(decode_done)
+            images = batch[0]
+            if isinstance(images, DecodedJpegs):
+                for img in images.images:
+                    if img is not None:
+                        img.record_stream(stream)
+        prepared = self._finish(batch)
+        return "batch", prepared, _recorded(stream)
+
+
+def _on(device: torch.device, stream):
+    """The context of a background thread: ``stream`` current on ``device`` (nothing without a stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+def _recorded(stream) -> Optional[torch.cuda.Event]:
+    """An event at the end of the work queued on ``stream`` so far (None without a stream)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _offer(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put ``item`` in ``q`` once there is room; False if ``stop`` came first."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _take(q: queue.Queue, stop: threading.Event):
+    """The next item of ``q``; None if ``stop`` came first."""
+    while not stop.is_set():
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            continue
+    return None
 
 
 def _used_on(main: torch.cuda.Stream, batch: tuple) -> tuple:
