@@ -304,6 +304,8 @@ def test_yaml_config_key_hint_does_not_suggest_itself(tmp_path):
     (["--maxpool-kernel", "cudnn"], "cudnn"),
     (["--bn-kernel", "triton", "--no-channels-last"], "--no-channels-last"),
     (["--bn-kernel", "triton", "--channels-last", "--sync-bn"], "--sync-bn"),
+    (["--bn-kernel", "cudnn", "--no-channels-last"], "--no-channels-last"),
+    (["--bn-kernel", "cudnn", "--deterministic"], "--deterministic"),
 ])
 def test_impossible_values_are_user_errors(argv, fragment):
     with pytest.raises(UserError) as exc:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes (and off)
 MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/kernels/maxpool.py)
-BN_KERNELS = ("auto", "torch", "triton")  # --bn-kernel (imagenet/kernels/fusedbn.py)
+BN_KERNELS = ("auto", "torch", "triton", "cudnn")  # --bn-kernel (imagenet/kernels/fusedbn.py, convstats.py)
 ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
@@ -81,7 +81,8 @@ class Config:
     tune_kernels: bool = False  # with --compile: tune each generated kernel's launch settings (coordinate descent)
     maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, channels_last) | torch | triton
     bn_kernel: str = "auto"  # training BatchNorm + add + ReLU: auto (fused Triton kernels on GPUs where they
-    #                          apply) | torch (its modules) | triton
+    #                          apply) | torch (its modules) | triton | cudnn (triton, with the statistics made
+    #                          in cuDNN's fused convolutions: the optional nvidia-cudnn-frontend package)
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -170,7 +171,8 @@ _HELP = {
     "compile": "torch.compile the model: auto (default: reduce-overhead, with CUDA graphs, on GPUs where it "
                "applies; the banner says what was chosen and why), off, default, reduce-overhead, max-autotune",
     "bn_kernel": "training BatchNorm + add + ReLU: auto (default: our fused Triton kernels on GPUs where they "
-                 "apply), torch, triton",
+                 "apply, their statistics made by cuDNN's fused convolutions where the optional "
+                 "nvidia-cudnn-frontend package is installed), torch, triton, cudnn",
     "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
                      "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
                      "decodes at full scale, as torchvision does",
@@ -491,11 +493,14 @@ def _check_modes(cfg: Config) -> None:
           "--maxpool-kernel triton computes channels_last tensors only; drop --no-channels-last (or use auto)")
     _need(cfg.maxpool_kernel != "triton" or not cfg.small_stem,
           "--small-stem has no max-pool for --maxpool-kernel triton to compute; drop one of them")
-    if cfg.bn_kernel == "triton":
+    if cfg.bn_kernel in ("triton", "cudnn"):
         _need(cfg.channels_last is not False,
-              "--bn-kernel triton computes channels_last tensors only; drop --no-channels-last")
-        _need(not cfg.sync_bn, "--bn-kernel triton computes per-process statistics; --sync-bn needs torch's "
-                               "SyncBatchNorm: drop one of them")
+              f"--bn-kernel {cfg.bn_kernel} computes channels_last tensors only; drop --no-channels-last")
+        _need(not cfg.sync_bn, f"--bn-kernel {cfg.bn_kernel} computes per-process statistics; --sync-bn needs "
+                               "torch's SyncBatchNorm: drop one of them")
+    _need(cfg.bn_kernel != "cudnn" or not cfg.deterministic,
+          "--bn-kernel cudnn adds the BatchNorm statistics with atomics, which --deterministic rules out: use "
+          "--bn-kernel triton (deterministic) or drop --deterministic")
     _need(not (cfg.pretrained and cfg.weights),
           "--pretrained and --weights both name starting weights; pick one")
     _need(not (cfg.evaluate and cfg.resume and cfg.weights),

@@ -2,6 +2,8 @@
 ``torch.compile`` keeps it and CUDA graphs capture it) and each with a torch fallback.
 
 * ``fusedbn`` -- BatchNorm + residual add + ReLU, forward and backward (``--bn-kernel``).
+* ``convstats`` -- a convolution that also makes its output's per-channel sums, through a cuDNN
+  fusion graph (``--bn-kernel cudnn``; the optional nvidia-cudnn-frontend package).
 * ``maxpool`` -- the stem's 3x3/2 max-pool on channels_last tensors (``--maxpool-kernel``).
 * ``gpugeometry`` -- crop, antialiased resize and flip of a whole batch of images in one launch
   (the GPU decode path and the GPU resize of CPU-decoded crops).

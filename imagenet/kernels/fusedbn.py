@@ -12,6 +12,10 @@ passes); it is then the float32 sum's mask, which differs from torch's only for 
 round to zero in fp16. Arithmetic is float32; outputs are rounded once; running statistics
 follow torch's rule.
 
+With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
+output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
+kernel turns them into the mean and 1/std (:func:`conv_bn_act`).
+
 The kernels are ``torch.library`` custom ops, so ``torch.compile`` keeps them and CUDA graphs
 capture them. Only channels_last CUDA tensors (or ``TRITON_INTERPRET=1``) of a plain
 ``nn.BatchNorm2d`` in training mode take them; everything else runs torch's modules.
@@ -28,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from . import convstats
 
 try:  # Triton ships with CUDA builds of torch
     import triton
@@ -169,7 +175,11 @@ if triton is not None:
             mean = mean + delta * frac
             m2 = m2 + tile_m2 + delta * delta * n * frac
             n = total
-        var = m2 / M
+        _store_statistics(mean, m2 / M, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum)
+
+    @triton.jit
+    def _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum):
+        # The batch's mean and 1/std, and torch's running-statistics update (unbiased variance).
         tl.store(mean_ptr + c, mean, mask=c_ok)
         tl.store(invstd_ptr + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
         rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
@@ -177,6 +187,17 @@ if triton is not None:
         tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
         unbiased = var * M / tl.maximum(M - 1, 1)
         tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _stats_from_sums(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, eps, momentum,
+                         BLOCK_C: tl.constexpr):
+        # The batch's statistics from a convolution's per-channel sum and sum of squares
+        # (imagenet.kernels.convstats): E[y^2] - E[y]^2, then torch's running-statistics update.
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        mean = tl.load(sum_ptr + c, mask=c_ok, other=0.0) / M
+        var = tl.maximum(tl.load(sq_ptr + c, mask=c_ok, other=0.0) / M - mean * mean, 0.0)
+        _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum)
 
     @triton.jit
     def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
@@ -414,6 +435,30 @@ def _(x, running_mean, running_var, momentum, eps):
     return x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
 
 
+def statistics_from_sums(sums: torch.Tensor, squares: torch.Tensor, count: int, running_mean: torch.Tensor,
+                         running_var: torch.Tensor, momentum: float, eps: float) -> tuple:
+    """The batch's per-channel (mean, 1/std) in float32 from the per-channel sum and sum of squares
+    of ``count`` values each; updates the running statistics in place."""
+    c = sums.shape[0]
+    mean, invstd = torch.empty_like(sums), torch.empty_like(sums)
+    block_c = min(triton.next_power_of_2(c), 128)
+    _stats_from_sums[(triton.cdiv(c, block_c),)](sums, squares, mean, invstd, running_mean, running_var, count, c,
+                                                 eps, momentum, BLOCK_C=block_c)
+    return mean, invstd
+
+
+@torch.library.custom_op("imagenet::bn_stats_from_sums", mutates_args=("running_mean", "running_var"))
+def bn_stats_from_sums_op(sums: torch.Tensor, squares: torch.Tensor, count: int, running_mean: torch.Tensor,
+                          running_var: torch.Tensor, momentum: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`statistics_from_sums` as an op (no gradient, as :func:`bn_stats_op`)."""
+    return statistics_from_sums(sums, squares, count, running_mean, running_var, momentum, eps)
+
+
+@bn_stats_from_sums_op.register_fake
+def _(sums, squares, count, running_mean, running_var, momentum, eps):
+    return torch.empty_like(sums), torch.empty_like(sums)
+
+
 @torch.library.custom_op("imagenet::bn_act", mutates_args=())
 def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
               mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> torch.Tensor:
@@ -493,10 +538,11 @@ class _ForkedBnAct(torch.autograd.Function):
 
 
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
-           relu: bool = True, fork: bool = False):
+           relu: bool = True, fork: bool = False, sums: Optional[tuple] = None):
     """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`;
     with ``fork``, as a pair (for the next block's convolution, for its shortcut) whose two
-    gradients the backward adds itself (:class:`_ForkedBnAct`)."""
+    gradients the backward adds itself (:class:`_ForkedBnAct`); ``sums``: ``x``'s per-channel
+    (sum, sum of squares), made by the convolution that made ``x`` (:func:`conv_bn_act`)."""
     if not takes(x, bn) or (residual is not None and residual.dtype != x.dtype):  # torch would promote
         out = bn(x)
         if residual is not None:
@@ -504,10 +550,25 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
         out = F.relu(out) if relu else out
         return (out, out) if fork else out
     bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
-    mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    if sums is None:
+        mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    else:
+        mean, invstd = bn_stats_from_sums_op(sums[0], sums[1], x.shape[0] * x.shape[2] * x.shape[3],
+                                             bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
     if fork:
         return _ForkedBnAct.apply(x, bn.weight, bn.bias, residual, mean, invstd, relu)
     return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
+
+
+def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
+                relu: bool = True, fork: bool = False, stats_in_conv: bool = False):
+    """:func:`bn_act` of ``conv(x)``; with ``stats_in_conv``, where the BatchNorm is fused and the
+    convolution :func:`convstats.applies`, its statistics come from the convolution's epilogue
+    (``--bn-kernel cudnn``) instead of a pass of their own over its output."""
+    if stats_in_conv and bn.training and convstats.applies(x, conv):
+        y, sums, squares = convstats.conv_stats(x, conv)
+        return bn_act(y, bn, residual, relu, fork, sums=(sums, squares))
+    return bn_act(conv(x), bn, residual, relu, fork)
 
 
 def _block_input(x) -> tuple:
@@ -520,7 +581,7 @@ def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if ds is None:
         return x
     if isinstance(ds, nn.Sequential) and len(ds) == 2 and isinstance(ds[1], nn.BatchNorm2d):
-        return bn_act(ds[0](x), ds[1], relu=False)
+        return conv_bn_act(x, ds[0], ds[1], relu=False, stats_in_conv=block.stats_in_conv)
     return ds(x)
 
 
@@ -530,11 +591,13 @@ class FusedBasicBlock(BasicBlock):
     pair, and its input may be one."""
 
     fork_output = False
+    stats_in_conv = False  # set by fuse_resnet: the convolutions make their BatchNorms' sums
 
     def forward(self, x):
         x, shortcut = _block_input(x)
-        out = bn_act(self.conv1(x), self.bn1)
-        return bn_act(self.conv2(out), self.bn2, residual=_downsample(self, shortcut), fork=self.fork_output)
+        out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=self.stats_in_conv)
+        return conv_bn_act(out, self.conv2, self.bn2, residual=_downsample(self, shortcut), fork=self.fork_output,
+                           stats_in_conv=self.stats_in_conv)
 
 
 class FusedBottleneck(Bottleneck):
@@ -542,12 +605,15 @@ class FusedBottleneck(Bottleneck):
     output and input as :class:`FusedBasicBlock`'s."""
 
     fork_output = False
+    stats_in_conv = False  # set by fuse_resnet: the convolutions make their BatchNorms' sums
 
     def forward(self, x):
         x, shortcut = _block_input(x)
-        out = bn_act(self.conv1(x), self.bn1)
-        out = bn_act(self.conv2(out), self.bn2)
-        return bn_act(self.conv3(out), self.bn3, residual=_downsample(self, shortcut), fork=self.fork_output)
+        stats = self.stats_in_conv
+        out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=stats)
+        out = conv_bn_act(out, self.conv2, self.bn2, stats_in_conv=stats)
+        return conv_bn_act(out, self.conv3, self.bn3, residual=_downsample(self, shortcut), fork=self.fork_output,
+                           stats_in_conv=stats)
 
 
 class FusedResNet(ResNet):
@@ -559,15 +625,19 @@ class FusedResNet(ResNet):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def fuse_resnet(model: nn.Module) -> nn.Module:
+def fuse_resnet(model: nn.Module, stats_in_conv: bool = False) -> nn.Module:
     """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
     place: every module, parameter and buffer keeps its name, so the state dict is unchanged. In a
     whole ResNet every block but the last forks its output (the next block reads it twice), so
-    a layer's output (layer1-layer3, or a block's) is a pair of one tensor: (output, a view of it)."""
+    a layer's output (layer1-layer3, or a block's) is a pair of one tensor: (output, a view of it).
+    ``stats_in_conv``: the blocks' convolutions make their BatchNorms' sums (:func:`conv_bn_act`;
+    not the stem's, whose 3-channel input cuDNN's fused engines refuse)."""
     swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
     for module in model.modules():
         if type(module) in swaps:
             module.__class__ = swaps[type(module)]
+            if stats_in_conv and type(module) is not FusedResNet:
+                module.stats_in_conv = True
     if isinstance(model, FusedResNet):  # its blocks run one after another: layer1's first .. layer4's last
         blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
         fused = (FusedBasicBlock, FusedBottleneck)
@@ -579,3 +649,8 @@ def fuse_resnet(model: nn.Module) -> nn.Module:
 
 def uses_bn_kernels(model: nn.Module) -> bool:
     return any(isinstance(m, (FusedResNet, FusedBasicBlock, FusedBottleneck)) for m in model.modules())
+
+
+def uses_conv_stats(model: nn.Module) -> bool:
+    """Whether ``model``'s fused blocks take their BatchNorms' sums from their convolutions."""
+    return any(getattr(m, "stats_in_conv", False) for m in model.modules())

@@ -14,7 +14,8 @@ from ..base.config import ARCHS
 from ..base.errors import UserError
 from ..base.torch_private import inductor_tune_kernels
 from ..base.wrappers import strip_prefix, unwrap
-from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels
+from ..kernels import convstats
+from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels, uses_conv_stats
 from ..kernels.fusedbn import available as bn_kernels_available
 from ..kernels.maxpool import StemMaxPool, is_stem_pool
 from ..kernels.maxpool import available as maxpool_kernels_available
@@ -23,10 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False,
-                 bn_kernels: bool = False) -> nn.Module:
+                 bn_kernels: bool = False, stats_in_conv: bool = False) -> nn.Module:
     """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
     its max-pool computed by :mod:`imagenet.kernels.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
-    with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s (same state dict either way)."""
+    with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s, ``stats_in_conv``: their
+    statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`); the same state
+    dict either way."""
     if arch not in ARCHS:
         raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
@@ -40,7 +43,7 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
     elif stem_kernels and is_stem_pool(model.maxpool):
         model.maxpool = StemMaxPool()
     if bn_kernels:
-        fuse_resnet(model)
+        fuse_resnet(model, stats_in_conv)
     return model
 
 
@@ -52,6 +55,12 @@ def has_stem_kernels(model: nn.Module) -> bool:
 def has_fused_bn(model: nn.Module) -> bool:
     """Whether the (possibly wrapped) model's BatchNorms run on :mod:`imagenet.kernels.fusedbn`'s kernels."""
     return uses_bn_kernels(unwrap(model))
+
+
+def has_conv_stats(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model's BatchNorm statistics come from its convolutions
+    (:mod:`imagenet.kernels.convstats`)."""
+    return uses_conv_stats(unwrap(model))
 
 
 def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small_stem: bool) -> bool:
@@ -73,11 +82,24 @@ def use_bn_kernels(kind: str, device: torch.device) -> bool:
         return False
     if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and bn_kernels_available()):
         why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
-        raise UserError(f"--bn-kernel triton needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
+        raise UserError(f"--bn-kernel {kind} needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
     try:
         LAUNCH.update(launch_override(os.environ.get(LAUNCH_ENV)))
     except ValueError as e:
         raise UserError(f"{e}; or unset {LAUNCH_ENV}") from None
+    return True
+
+
+def use_conv_stats(kind: str, device: torch.device) -> bool:
+    """Whether ``--bn-kernel kind`` has the convolutions make their BatchNorms' sums here
+    (``cudnn``; a UserError naming the fix where it cannot run). Under Triton's interpreter the
+    CPU tests run the same path on torch's convolution."""
+    if kind != "cudnn":
+        return False
+    why = convstats.why_unavailable(device)
+    if why is not None and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise UserError(f"--bn-kernel cudnn takes the BatchNorm statistics from cuDNN's fused convolutions, and "
+                        f"{why}: use --bn-kernel triton")
     return True
 
 

@@ -59,6 +59,8 @@ class Machine:
     gpus_per_process: int = 1  # GPUs this process's data workers feed (DataParallel: all of them)
     gpu_decode: bool = False  # a JPEG decoder here decodes on the GPU (imagenet.data.gpu.jpeg)
     jpeg: Optional[bool] = None  # the training images are JPEGs (None: not known, e.g. behind a URL)
+    # why cuDNN's fused convolution + statistics cannot run here (None: they can; --bn-kernel auto)
+    no_conv_stats: Optional[str] = "not looked up"
 
     @classmethod
     def of(cls, ctx, decode: str = "auto", data: Optional[str] = None) -> "Machine":
@@ -66,6 +68,7 @@ class Machine:
         is looked up (a probe decode on the GPU), and whether ``data``'s training images are
         JPEGs (no ``data``: the built-in dataset, PNGs), only for ``--decode auto`` on a GPU, the
         one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built."""
+        from ..kernels.convstats import why_unavailable
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
@@ -73,7 +76,8 @@ class Machine:
         auto = cuda and decode == "auto"
         jpeg = (images_are_jpeg(data) if data else False) if auto else None
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
-                   gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg)
+                   gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg,
+                   no_conv_stats=why_unavailable(ctx.device))
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class SpeedPlan:
 
     channels_last: bool
     maxpool_kernel: str  # torch | triton
-    bn_kernel: str  # torch | triton
+    bn_kernel: str  # torch | triton | cudnn
     compile: str  # off | default | reduce-overhead | max-autotune
     tune_kernels: bool
     decode: str = "cpu"  # cpu | gpu: where JPEGs are decoded
@@ -162,7 +166,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     gave, and for each ``auto`` the fastest safe choice (see the module's docstring)."""
     choices = []
     gpu = machine.device == "cuda"
-    explicit_kernel = cfg.bn_kernel == "triton" or cfg.maxpool_kernel == "triton"
+    explicit_kernel = cfg.bn_kernel in ("triton", "cudnn") or cfg.maxpool_kernel == "triton"
     if cfg.channels_last is None:
         channels_last = gpu or explicit_kernel
         if gpu:
@@ -182,9 +186,13 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if bn == "auto":
         why_not = _bn_fallback(cfg, machine, channels_last)
         bn = "triton" if gpu and why_not is None else "torch"
-        if bn == "triton":
+        if bn == "triton" and machine.no_conv_stats is None:
+            bn = "cudnn"
+        elif bn == "triton":
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
-                                  "one pass each way instead of torch's separate kernels", "--bn-kernel torch"))
+                                  "one pass each way instead of torch's separate kernels; their statistics are not "
+                                  f"made by cuDNN's fused convolutions, as {machine.no_conv_stats}",
+                                  "--bn-kernel torch"))
         elif gpu:
             choices.append(Choice("BatchNorm on torch's kernels", why_not, "--bn-kernel triton asks for the fused ones"))
 
@@ -205,6 +213,17 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
             choices.append(Choice("torch.compile with CUDA graphs (reduce-overhead)",
                                   "the fastest mode; the first steps wait for the compilation, which later runs "
                                   "read from the cache", "--compile off skips it"))
+    if bn == "cudnn" and cfg.bn_kernel == "auto":
+        if compile_mode in ("reduce-overhead", "max-autotune"):
+            choices.append(Choice("BatchNorm + add + ReLU fused in Triton, statistics made by cuDNN's fused "
+                                  "convolutions", "one pass each way instead of torch's separate kernels, and no "
+                                  "pass of its own for the statistics", "--bn-kernel triton, or torch"))
+        else:  # each cuDNN graph is launched from Python: CUDA graphs replay the launches instead
+            bn = "triton"
+            choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
+                                  "one pass each way instead of torch's separate kernels; their statistics are not "
+                                  "made by cuDNN's fused convolutions without CUDA graphs, which would replay "
+                                  "their Python launches", "--bn-kernel cudnn, or torch"))
     if tune and compile_mode == "off":
         tune = False
         choices.append(Choice("--tune-kernels ignored", "nothing is compiled in this run", "--compile default"))

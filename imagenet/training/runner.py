@@ -35,7 +35,7 @@ from ..base.wrappers import uncompiled
 from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, val_geometry
-from ..models.registry import has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
+from ..models.registry import has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
 from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
@@ -149,6 +149,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
     logger.info("=> precision: %s", describe(state.precision, cfg.tf32, ctx.device))
     kernels = [k for k, on in (("stem max-pool on Triton kernels", has_stem_kernels(state.model)),
                                ("BatchNorm + add + ReLU fused in Triton", has_fused_bn(state.model)),
+                               ("BatchNorm statistics made by cuDNN's fused convolutions (nvidia-cudnn-frontend)",
+                                has_conv_stats(state.model)),
                                ("Inductor tunes its kernels (--tune-kernels; the first steps take minutes)",
                                 cfg.tune_kernels)) if on]
     if kernels:

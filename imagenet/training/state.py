@@ -24,7 +24,8 @@ import torch.nn as nn
 from ..base.errors import UserError
 from ..base.metrics import means
 from ..data.mixing import BatchMixer
-from ..models.registry import compile_model, create_model, load_weights_into, use_bn_kernels, use_stem_kernels
+from ..models.registry import (compile_model, create_model, load_weights_into, use_bn_kernels, use_conv_stats,
+                               use_stem_kernels)
 from ..parallel import distributed
 from ..precision import optim
 from ..precision import Precision, build_precision
@@ -142,7 +143,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     cfg = resolved(cfg, ctx)
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
                          use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
-                         use_bn_kernels(cfg.bn_kernel, ctx.device))
+                         use_bn_kernels(cfg.bn_kernel, ctx.device), use_conv_stats(cfg.bn_kernel, ctx.device))
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:

@@ -1,0 +1,210 @@
+"""``--bn-kernel cudnn``: the BatchNorm statistics made in the convolution's epilogue by a cuDNN
+fusion graph (imagenet/kernels/convstats.py), their finishing kernel and the blocks that use them
+(imagenet/kernels/fusedbn.py), and when ``auto`` chooses them (imagenet/training/defaults.py).
+
+On a CPU the op runs torch's convolution and sums under Triton's interpreter, so the blocks' plumbing,
+the finishing kernel and the gradients are checked here; the cuDNN graphs themselves on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from imagenet.base.config import parse_config
+from imagenet.base.errors import UserError
+from imagenet.kernels import convstats
+from imagenet.models.registry import use_conv_stats
+from imagenet.training.defaults import Machine, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+
+
+def _lines(plan) -> str:
+    return "\n".join(c.line() for c in plan.choices)
+
+
+def test_auto_takes_cudnns_statistics_where_the_package_runs_under_cuda_graphs():
+    here = Machine("cuda", "gpu", triton=True, no_conv_stats=None)
+    plan = resolve(parse_config(["--dummy", "--fp16"]), here)
+    assert plan.bn_kernel == "cudnn" and plan.compile == "reduce-overhead"
+    assert "statistics made by cuDNN's fused convolutions" in _lines(plan) and "--bn-kernel triton" in _lines(plan)
+    # without CUDA graphs every cuDNN graph would be launched from Python: the Triton statistics
+    plan = resolve(parse_config(["--dummy", "--fp16", "--compile", "off"]), here)
+    assert plan.bn_kernel == "triton" and "without CUDA graphs" in _lines(plan)
+    # the user's choice stands
+    assert resolve(parse_config(["--dummy", "--fp16", "--bn-kernel", "triton"]), here).bn_kernel == "triton"
+    assert resolve(parse_config(["--dummy", "--compile", "off", "--bn-kernel", "cudnn"]), here).bn_kernel == "cudnn"
+
+
+def test_without_the_package_auto_keeps_the_triton_statistics_and_says_why_in_one_line():
+    why = "the optional nvidia-cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+    plan = resolve(parse_config(["--dummy", "--fp16"]), Machine("cuda", "gpu", triton=True, no_conv_stats=why))
+    assert plan.bn_kernel == "triton"
+    said = [c.line() for c in plan.choices if "BatchNorm" in c.line()]
+    assert len(said) == 1 and "nvidia-cudnn-frontend package is not installed" in said[0]
+
+
+def test_asking_for_cudnn_where_the_package_is_missing_names_the_fix(monkeypatch):
+    monkeypatch.setattr(convstats, "_frontend", lambda: None)
+    why = convstats.why_unavailable(torch.device("cuda"))
+    assert why == "the optional nvidia-cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+    monkeypatch.setattr(convstats, "why_unavailable", lambda device: why)
+    with pytest.raises(UserError, match=r"--bn-kernel cudnn .*\(pip install nvidia-cudnn-frontend\): use --bn-kernel "
+                                        r"triton"):
+        use_conv_stats("cudnn", torch.device("cuda"))
+    assert use_conv_stats("triton", torch.device("cuda")) is False
+
+
+def test_main_refuses_cudnn_statistics_on_a_cpu_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "main.py", "--dummy", "-a", "resnet18", "-b", "4", "--epochs", "1",
+                        "--image-size", "32", "--val-resize", "32", "--dummy-train-size", "8", "--dummy-val-size", "4",
+                        "-j", "0", "--bn-kernel", "cudnn", "--output-dir", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0"))
+    assert r.returncode == 2 and "--bn-kernel cudnn needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, compiled: str = "") -> dict:
+    """A small Bottleneck ResNet fused with the statistics from its convolutions against the same
+    fused without them and against torchvision's modules: outputs, gradients and buffers after a
+    step, as relative differences (called in a child: under the interpreter, or on a GPU)."""
+    import copy
+
+    import torch.nn as nn
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    from imagenet.kernels import fusedbn
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    ref = ResNet(Bottleneck, [2, 1, 1, 1], num_classes=5, width_per_group=16)
+    ref.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    ref = ref.to(device, memory_format=torch.channels_last)
+    models = {"torch": ref, "triton": fusedbn.fuse_resnet(copy.deepcopy(ref)),
+              "conv": fusedbn.fuse_resnet(copy.deepcopy(ref), stats_in_conv=True)}
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    out = {}
+    for name, m in models.items():
+        m.train()
+        run = torch.compile(m, mode=compiled) if compiled else m
+        with torch.autocast(device, dtype=dt, enabled=dt != torch.float32):
+            y = run(x)
+        y.float().square().sum().backward()
+        out[name] = (y.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()},
+                     {n: b.float() for n, b in m.named_buffers()})
+
+    def rel(a, b):
+        return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+    result = {"uses": fusedbn.uses_conv_stats(models["conv"]) and not fusedbn.uses_conv_stats(models["triton"])}
+    for name, other in (("torch", "torch"), ("triton", "triton"), ("triton_vs_torch", "torch")):
+        y, g, b = out[other]
+        cy, cg, cb = out["triton" if name == "triton_vs_torch" else "conv"]
+        result[name] = {"out": rel(cy, y), "grad": max(rel(cg[k], g[k]) for k in g),
+                        "buffers": max(rel(cb[k], b[k]) for k in b if "num_batches" not in k),
+                        "batches": all(torch.equal(cb[k], b[k]) for k in b if "num_batches" in k)}
+    return result
+
+
+def _child(code: str, env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
+                        "import tests.test_convstats as t; " + code], cwd=REPO, capture_output=True, text=True,
+                       timeout=900, env=dict(os.environ, **env))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU is here: the cuDNN graphs are tested instead")
+def test_blocks_with_the_statistics_from_their_convolutions_train_as_torchvisions_under_the_interpreter():
+    r = _child("print(json.dumps(t._compare_blocks('cpu', 'float32')))", {"TRITON_INTERPRET": "1"})
+    assert r["uses"]
+    for other in ("torch", "triton"):
+        assert r[other]["out"] < 1e-3 and r[other]["grad"] < 3e-2 and r[other]["buffers"] < 1e-3, r
+        assert r[other]["batches"], r
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_frontend = pytest.mark.skipif(not CUDA or convstats.why_unavailable(torch.device("cuda")) is not None,
+                                    reason="needs CUDA and cuDNN's fused engines (nvidia-cudnn-frontend)")
+
+
+def _op_against_torch(dtype, n, c, k, hw, kernel, stride) -> dict:
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    cl = dict(memory_format=torch.channels_last)
+    x = torch.randn(n, c, hw, hw + 1, device="cuda", dtype=dt).contiguous(**cl).requires_grad_()
+    w = (torch.randn(k, c, kernel, kernel, device="cuda", dtype=dt) / (c * kernel * kernel) ** 0.5
+         ).contiguous(**cl).requires_grad_()
+    pad = kernel // 2
+    y, s, sq = convstats.conv_stats_op(x, w, [stride, stride], [pad, pad])
+    ref = F.conv2d(x, w, stride=stride, padding=pad)
+    dy = torch.randn_like(ref)
+    (y * dy).sum().backward()
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad, w.grad = None, None
+    (ref * dy).sum().backward()
+    r32 = ref.detach().float()
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-12))
+
+    return {"y": rel(y.detach(), ref.detach()), "sum": rel(s, r32.sum((0, 2, 3))),
+            "squares": rel(sq, r32.square().sum((0, 2, 3))), "dx": rel(dx, x.grad), "dw": rel(dw, w.grad),
+            "channels_last": y.is_contiguous(memory_format=torch.channels_last), "dtype": str(y.dtype)}
+
+
+@gpu
+@needs_frontend
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 64, 64, 9, 3, 1), (2, 24, 40, 7, 1, 2), (2, 256, 64, 14, 1, 1),
+                                   (1, 3, 16, 11, 3, 1)], ids=["b1-3x3", "b2-1x1-s2-odd", "b2-1x1", "b1-3ch"])
+def test_the_op_matches_torchs_convolution_and_sums_forward_and_backward(dtype, shape):
+    r = _op_against_torch(dtype, *shape)
+    tol = 2e-2 if dtype == "bfloat16" else 2e-3
+    assert r["channels_last"] and r["dtype"] == f"torch.{dtype}", r
+    assert r["y"] < tol and r["dx"] < tol and r["dw"] < tol, r
+    assert r["sum"] < 1e-3 and r["squares"] < 1e-3, r
+
+
+@gpu
+@needs_frontend
+def test_the_op_replays_inside_a_cuda_graph():
+    cl = dict(memory_format=torch.channels_last)
+    x = torch.randn(4, 64, 28, 28, device="cuda", dtype=torch.float16).contiguous(**cl)
+    w = torch.randn(128, 64, 3, 3, device="cuda", dtype=torch.float16).contiguous(**cl) * 0.05
+    eager = convstats.conv_stats_op(x, w, [1, 1], [1, 1])  # builds the plan
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = convstats.conv_stats_op(x, w, [1, 1], [1, 1])
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    again = convstats.conv_stats_op(x, w, [1, 1], [1, 1])
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], again[0]) and not torch.equal(captured[0], eager[0])
+    for a, b in zip(captured[1:], again[1:]):  # the sums are added with atomics: equal to rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3)
+
+
+@gpu
+@needs_frontend
+@pytest.mark.parametrize("compiled", ["", "reduce-overhead"], ids=["eager", "cuda-graphs"])
+def test_blocks_with_cudnns_statistics_train_as_torchvisions_on_the_gpu(compiled):
+    r = _child(f"print(json.dumps(t._compare_blocks('cuda', 'float16', batch=8, size=32, compiled={compiled!r})))",
+               {})
+    assert r["uses"], r
+    # fp16 rounds differently in every path: the statistics from the convolutions may move the
+    # results from torch's by no more than twice what the Triton kernels already do, and a little
+    floor = {"out": 2e-3, "grad": 2e-2, "buffers": 2e-4}
+    for metric, least in floor.items():
+        assert r["torch"][metric] <= 2 * r["triton_vs_torch"][metric] + least, (metric, r)
+        assert r["triton"][metric] <= 2 * r["triton_vs_torch"][metric] + least, (metric, r)
+    assert r["torch"]["batches"] and r["triton"]["batches"], r
