@@ -36,6 +36,7 @@ MODIFIERS = {
     "cdt": "--tune-kernels",  # Inductor's coordinate-descent tuning of every generated kernel
     "mp": "--maxpool-kernel triton",  # imagenet/kernels/maxpool.py
     "bn": "--bn-kernel triton",  # imagenet/kernels/fusedbn.py
+    "cbn": "--bn-kernel cudnn",  # ... with the statistics from cuDNN's fused convolutions (kernels/convstats.py)
     "1x1mm": "--inductor conv_1x1_as_mm=True",
     "mapw": "--inductor max_autotune_pointwise=True",
     "noconv": "--inductor max_autotune_conv_backends=ATEN",
@@ -57,6 +58,8 @@ def row_flags(name: str) -> str:
             flags["precision"] = MODIFIERS[mod]
         elif mod == "mp":
             flags["maxpool"] = MODIFIERS[mod]
+        elif mod == "cbn":
+            flags["bn"] = MODIFIERS[mod]
         elif mod in MODIFIERS:
             flags[mod] = MODIFIERS[mod]
         else:

@@ -36,6 +36,8 @@ RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 
                    "maxpool-triton": EAGER + " --maxpool-kernel triton",
                    # both Triton kernels under CUDA graphs, the fastest mode, against maxpool-torch
                    "kernels-ro": " --maxpool-kernel triton --bn-kernel triton --compile reduce-overhead",
+                   # the same with the BatchNorm statistics from cuDNN's fused convolutions
+                   "cudnn-ro": " --maxpool-kernel triton --bn-kernel cudnn --compile reduce-overhead",
                    "kernels": " --compile off --maxpool-kernel triton --bn-kernel triton",
                    # the command as typed (the speed defaults) against maxpool-torch
                    "default": ""}
