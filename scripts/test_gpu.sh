@@ -3,7 +3,7 @@
 # for want of a GPU (tests/gpumarks.py; the CPU suite is scripts/test.sh). Exits 2 at once, with
 # one line, where no CUDA GPU is visible; else with pytest's status. Extra arguments go to pytest.
 #
-# Estimates for one H200 (16 cores) with empty compile caches, about 3 minutes in all (seconds;
+# Estimates for one H200 (16 cores) with empty compile caches, about 3-4 minutes in all (seconds;
 # --durations prints the real ones). The main.py runs of tests/gpuruns.py start with the session and
 # compile beside the tests before theirs, so tests/test_gpu_runs.py mostly reads their results:
 #   tests/gpuruns.py runs       ~90  beside the rest: one process and two DDP processes sharing the
@@ -12,6 +12,8 @@
 #   tests/test_gpu.py           ~40  fp16 masters, host-free steps, CUDA-graph training against eager
 #   tests/test_maxpool.py       ~20  the stem max-pool kernels, eager and inside torch.compile
 #   tests/test_processenv.py    ~10  CUDA_DEVICE_MAX_CONNECTIONS in the CUDA context
+#   tests/test_convstats.py     ~90  cuDNN's convolution + statistics against torch, in a CUDA graph, in
+#                                    blocks eager and compiled (skipped without nvidia-cudnn-frontend)
 #   tests/test_cropbatch.py, test_gpudecode.py, test_gpugeometry.py, test_pipeline.py,
 #   test_throughput.py, test_gpu_runs.py ~35  GPU resize and nvJPEG decode against PIL, loaders on
 #                                    the device, the runs' results
