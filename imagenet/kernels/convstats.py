@@ -8,14 +8,16 @@ to the convolution itself (a ``conv_fprop`` node followed by ``genstats``, throu
 BatchNorm then takes its mean and variance from the two sums (:func:`imagenet.kernels.fusedbn.bn_act`).
 The variance is E[y^2] - E[y]^2 in float32, as NVIDIA's MLPerf kernels compute it.
 
-Each shape's graph is built once per process: the heuristics' first few plans are timed and the
-fastest kept, as cuDNN's benchmark mode does for torch's convolutions. A shape cuDNN has no engine
-for falls back to torch's convolution and sums, with one log line. The op is a ``torch.library``
+Each shape's graph is built once per process, outside CUDA graph capture (torch.compile's CUDA
+graphs run each shape once first): the heuristics' first few plans are timed and the fastest
+kept, as cuDNN's benchmark mode does for torch's convolutions. A shape cuDNN has no engine for
+falls back to torch's convolution and sums, with one log line; any other error is raised. The op is a ``torch.library``
 custom op with a fake implementation, so ``torch.compile`` keeps it and CUDA graphs capture it;
 its backward is torch's own convolution backward. Only channels_last fp16/bf16 CUDA tensors of a
 plain ``nn.Conv2d`` (no bias, groups or dilation) take it (:func:`applies`).
 """
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -45,16 +47,20 @@ def _frontend():
 
 
 def why_unavailable(device: torch.device) -> Optional[str]:
-    """Why the fused convolutions cannot run on ``device`` (None: they can)."""
+    """Why the fused convolutions cannot run on ``device`` (None: they can). Never raises: a
+    package that loads but cannot reach its cuDNN is a reason like any other."""
     if device.type != "cuda":
         return f"this run is on {device}"
     frontend = _frontend()
     if frontend is None:
         return f"the optional {PACKAGE} package is not installed (pip install {PACKAGE})"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "cuDNN's runtime-fusion engines need a GPU of compute capability 8.0 or later"
-    if frontend.backend_version() < MIN_BACKEND:
-        return f"cuDNN {frontend.backend_version_string()} is older than 8.8, which added these fusions"
+    try:
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "cuDNN's runtime-fusion engines need a GPU of compute capability 8.0 or later"
+        if frontend.backend_version() < MIN_BACKEND:
+            return f"cuDNN {frontend.backend_version_string()} is older than 8.8, which added these fusions"
+    except Exception as e:  # the package loads, its cuDNN or the GPU does not answer
+        return f"{PACKAGE} could not reach cuDNN here ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
     return None
 
 
@@ -81,9 +87,15 @@ class _Plan:
                                          handle=self.handle)
 
 
+class _Refused(Exception):
+    """cuDNN has no engine, or no plan that builds, for a graph."""
+
+
 class _Plans:
     """The built graphs of this process, per device and shape, and a cuDNN handle per device
-    (state of the op below, which torch calls without an owner to hand it)."""
+    (state of the op below, which torch calls without an owner to hand it). Not locked: the
+    training thread is the only caller per device (DataParallel's threads each have their own
+    device, so their own keys and handle)."""
 
     def __init__(self):
         self.handles: dict = {}
@@ -91,11 +103,15 @@ class _Plans:
 
     def get(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: list, padding: list,
             sums: torch.Tensor, squares: torch.Tensor) -> Optional[_Plan]:
-        key = (x.device.index, x.dtype, tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding))
+        key = (x.device.index, x.dtype, tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()),
+               tuple(stride), tuple(padding))
         if key not in self.plans:
+            if torch.cuda.is_current_stream_capturing():  # building allocates and compiles: not capturable
+                raise RuntimeError(f"imagenet::conv_stats met input {list(x.shape)}, weight {list(w.shape)} for the "
+                                   "first time inside a CUDA graph capture; run the shape once before capturing")
             try:
                 self.plans[key] = self._build(x, w, y, stride, padding, sums, squares)
-            except Exception as e:  # no engine for this shape: torch's convolution and sums
+            except _Refused as e:  # no engine for this shape: torch's convolution and sums
                 self.plans[key] = None
                 logger.warning("=> note: cuDNN builds no fused convolution + statistics for input %s, weight %s, "
                                "stride %s (%s); that layer's statistics use torch's kernels", list(x.shape),
@@ -124,28 +140,28 @@ class _Plans:
         SUM, SQ = graph.genstats(name="stats", input=Y)
         SUM.set_output(True).set_data_type(cudnn.data_type.FLOAT)
         SQ.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
+        try:
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+        except cudnn.cudnnGraphNotSupportedError as e:
+            raise _Refused(str(e)) from None
         tensors = (X, W, Y, SUM, SQ)
         data = (x, w, y, sums, squares)
-        timing = not torch.cuda.is_current_stream_capturing()
         best, why = None, ""
         for index in range(min(graph.get_execution_plan_count(), PLANS)):
             try:
                 graph.build_plan_at_index(index)
-                plan = _Plan(graph, tensors, index, graph.get_workspace_size_plan_at_index(index), handle, cudnn)
-                ms = _time(plan, data) if timing else 0.0
-            except Exception as e:  # a plan that does not build or run: the next
+            except cudnn.cudnnGraphNotSupportedError as e:  # e.g. its kernel does not compile: the next
                 why = str(e)
                 continue
+            plan = _Plan(graph, tensors, index, graph.get_workspace_size_plan_at_index(index), handle, cudnn)
+            ms = _time(plan, data)
             if best is None or ms < best[0]:
                 best = (ms, plan)
-            if not timing:
-                break
         if best is None:
-            raise RuntimeError(why or "no execution plan")
+            raise _Refused(why or "no execution plan")
         return best[1]
 
 
@@ -181,14 +197,15 @@ def conv_stats_op(x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                     memory_format=torch.channels_last)
     sums = torch.empty((1, k, 1, 1), dtype=torch.float32, device=x.device)
     squares = torch.empty_like(sums)
-    plan = _PLANS.get(x, weight, y, stride, padding, sums, squares) if x.is_cuda else None
-    if plan is None:
-        y.copy_(F.conv2d(x, weight, stride=stride, padding=padding))
-        sums.view(-1).copy_(y.sum((0, 2, 3), dtype=torch.float32))
-        squares.view(-1).copy_(y.float().square().sum((0, 2, 3)))
-    else:
-        plan.run(x, weight, y, sums, squares)
-    return y, sums.view(k), squares.view(k)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        plan = _PLANS.get(x, weight, y, stride, padding, sums, squares) if x.is_cuda else None
+        if plan is not None:
+            plan.run(x, weight, y, sums, squares)
+            return y, sums.view(k), squares.view(k)
+    # a shape cuDNN refused (or the CPU tests): torch's convolution, the sums upcast inside the kernels
+    y = F.conv2d(x, weight, stride=stride, padding=padding).contiguous(memory_format=torch.channels_last)
+    return (y, y.sum((0, 2, 3), dtype=torch.float32),
+            torch.linalg.vector_norm(y, 2, dim=(0, 2, 3), dtype=torch.float32).square())
 
 
 @conv_stats_op.register_fake

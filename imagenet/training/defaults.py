@@ -63,11 +63,12 @@ class Machine:
     no_conv_stats: Optional[str] = "not looked up"
 
     @classmethod
-    def of(cls, ctx, decode: str = "auto", data: Optional[str] = None) -> "Machine":
+    def of(cls, ctx, decode: str = "auto", data: Optional[str] = None, bn_kernel: str = "auto") -> "Machine":
         """This process's machine, from its launch context. Whether a GPU JPEG decoder runs here
         is looked up (a probe decode on the GPU), and whether ``data``'s training images are
         JPEGs (no ``data``: the built-in dataset, PNGs), only for ``--decode auto`` on a GPU, the
-        one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built."""
+        one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built.
+        Whether cuDNN's fused statistics run here, only for ``--bn-kernel auto|cudnn`` on a GPU."""
         from ..kernels.convstats import why_unavailable
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
@@ -77,7 +78,8 @@ class Machine:
         jpeg = (images_are_jpeg(data) if data else False) if auto else None
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
                    gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg,
-                   no_conv_stats=why_unavailable(ctx.device))
+                   no_conv_stats=why_unavailable(ctx.device) if cuda and bn_kernel in ("auto", "cudnn")
+                   else "not looked up")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def resolved(cfg: Config, ctx) -> Config:
     from a config of their own (benchmarks, tests)."""
     if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
         return cfg
-    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data)).apply(cfg)
+    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel)).apply(cfg)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
@@ -186,13 +188,15 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if bn == "auto":
         why_not = _bn_fallback(cfg, machine, channels_last)
         bn = "triton" if gpu and why_not is None else "torch"
-        if bn == "triton" and machine.no_conv_stats is None:
+        half = cfg.fp16 or cfg.amp  # cuDNN's fused statistics serve fp16 and bf16 convolutions
+        if bn == "triton" and machine.no_conv_stats is None and half:
             bn = "cudnn"
         elif bn == "triton":
+            why_stats = (f"as {machine.no_conv_stats}" if half else
+                         "which serve fp16 and bf16 convolutions (--fp16, --amp), and this run is fp32")
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
                                   "one pass each way instead of torch's separate kernels; their statistics are not "
-                                  f"made by cuDNN's fused convolutions, as {machine.no_conv_stats}",
-                                  "--bn-kernel torch"))
+                                  f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
         elif gpu:
             choices.append(Choice("BatchNorm on torch's kernels", why_not, "--bn-kernel triton asks for the fused ones"))
 
@@ -224,6 +228,10 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
                                   "one pass each way instead of torch's separate kernels; their statistics are not "
                                   "made by cuDNN's fused convolutions without CUDA graphs, which would replay "
                                   "their Python launches", "--bn-kernel cudnn, or torch"))
+    notes = []
+    if cfg.bn_kernel == "cudnn" and not (cfg.fp16 or cfg.amp):
+        notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve fp16 and bf16 convolutions (--fp16, --amp); "
+                     "in this fp32 run the Triton kernels make them")
     if tune and compile_mode == "off":
         tune = False
         choices.append(Choice("--tune-kernels ignored", "nothing is compiled in this run", "--compile default"))
@@ -235,7 +243,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
                            jpeg=machine.jpeg)
     if cfg.decode == "auto" and not cfg.dummy and gpu:  # a CPU run decodes in its workers, as it always did
         choices.append(Choice(decode.what, decode.why, decode.flag))
-    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices))
+    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices), tuple(notes))
 
 
 def with_environment(plan: SpeedPlan, env: ProcessEnv, device: str) -> SpeedPlan:

@@ -143,7 +143,8 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     cfg = resolved(cfg, ctx)
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
                          use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
-                         use_bn_kernels(cfg.bn_kernel, ctx.device), use_conv_stats(cfg.bn_kernel, ctx.device))
+                         use_bn_kernels(cfg.bn_kernel, ctx.device),
+                         use_conv_stats(cfg.bn_kernel, ctx.device) and (cfg.fp16 or cfg.amp))
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:
