@@ -32,7 +32,7 @@ from imagenet.data.samplers import SeededSampler, ShardWindowSampler
 from imagenet.training import engine
 from imagenet.training.resume import _check_data_order
 from imagenet.training.state import Progress
-from tests.helpers import interrupt_after_step, last_checkpoint, make_digits, scratch
+from tests.helpers import digits_fixture, interrupt_after_step, last_checkpoint, make_digits, scratch
 
 SHARD_SIZE = 16_000  # about 5 digits a shard: 8 training shards of 40 images
 
@@ -96,11 +96,7 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    make_digits(root, train_per_class=4, val_per_class=1)  # 40 train (5 steps of 8), 10 val
-    return root
+digits = digits_fixture(4, 1)  # 40 train (5 steps of 8), 10 val
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from imagenet.data.shards.remote import local_copy
 from imagenet.data.samplers import BlockSampler, SeededSampler, ShardWindowSampler
 from imagenet.data.shards.index import read_index, shard_name
 from imagenet.data.shards.dataset import SampleBytes, ShardDataset
-from tests.helpers import assert_same_run, interrupt_after_step, last_checkpoint, make_digits, photo, scratch
+from tests.helpers import digits_fixture, assert_same_run, interrupt_after_step, last_checkpoint, make_digits, photo, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_SIZE = 16_000  # about 5 digits a shard: 8 training shards, 2 of validation
@@ -67,11 +67,7 @@ def metrics(out):
     return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    make_digits(root, train_per_class=4, val_per_class=1)  # 40 train (5 steps of 8), 10 val
-    return root
+digits = digits_fixture(4, 1)  # 40 train (5 steps of 8), 10 val
 
 
 @pytest.fixture(scope="module")
