@@ -163,6 +163,18 @@ def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional
     return None
 
 
+def _conv_stats_fallback(cfg: Config, machine: Machine, compile_mode: str) -> Optional[str]:
+    """Why ``--bn-kernel auto``'s fused BatchNorm does not take its statistics from cuDNN's fused
+    convolutions here (None: it does)."""
+    if machine.no_conv_stats is not None:
+        return f"as {machine.no_conv_stats}"
+    if not (cfg.fp16 or cfg.amp):
+        return "which serve fp16 and bf16 convolutions (--fp16, --amp), and this run is fp32"
+    if compile_mode not in ("reduce-overhead", "max-autotune"):  # CUDA graphs replay the launches
+        return "as without CUDA graphs each of their graphs would be launched from Python"
+    return None
+
+
 def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     """The layout, kernels and compile mode of a run of ``cfg`` on ``machine``: the flags the user
     gave, and for each ``auto`` the fastest safe choice (see the module's docstring)."""
@@ -188,16 +200,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if bn == "auto":
         why_not = _bn_fallback(cfg, machine, channels_last)
         bn = "triton" if gpu and why_not is None else "torch"
-        half = cfg.fp16 or cfg.amp  # cuDNN's fused statistics serve fp16 and bf16 convolutions
-        if bn == "triton" and machine.no_conv_stats is None and half:
-            bn = "cudnn"
-        elif bn == "triton":
-            why_stats = (f"as {machine.no_conv_stats}" if half else
-                         "which serve fp16 and bf16 convolutions (--fp16, --amp), and this run is fp32")
-            choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
-                                  "one pass each way instead of torch's separate kernels; their statistics are not "
-                                  f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
-        elif gpu:
+        if bn == "torch" and gpu:
             choices.append(Choice("BatchNorm on torch's kernels", why_not, "--bn-kernel triton asks for the fused ones"))
 
     compile_mode, tune = cfg.compile, cfg.tune_kernels
@@ -217,17 +220,17 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
             choices.append(Choice("torch.compile with CUDA graphs (reduce-overhead)",
                                   "the fastest mode; the first steps wait for the compilation, which later runs "
                                   "read from the cache", "--compile off skips it"))
-    if bn == "cudnn" and cfg.bn_kernel == "auto":
-        if compile_mode in ("reduce-overhead", "max-autotune"):
+    if bn == "triton" and cfg.bn_kernel == "auto":
+        why_stats = _conv_stats_fallback(cfg, machine, compile_mode)
+        if why_stats is None:
+            bn = "cudnn"
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton, statistics made by cuDNN's fused "
                                   "convolutions", "one pass each way instead of torch's separate kernels, and no "
                                   "pass of its own for the statistics", "--bn-kernel triton, or torch"))
-        else:  # each cuDNN graph is launched from Python: CUDA graphs replay the launches instead
-            bn = "triton"
+        else:
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
                                   "one pass each way instead of torch's separate kernels; their statistics are not "
-                                  "made by cuDNN's fused convolutions without CUDA graphs, which would replay "
-                                  "their Python launches", "--bn-kernel cudnn, or torch"))
+                                  f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
     notes = []
     if cfg.bn_kernel == "cudnn" and not (cfg.fp16 or cfg.amp):
         notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve fp16 and bf16 convolutions (--fp16, --amp); "
