@@ -101,8 +101,7 @@ class _Plans:
         self.handles: dict = {}
         self.plans: dict = {}  # key -> _Plan, or None where cuDNN refused the shape
 
-    def get(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: list, padding: list,
-            sums: torch.Tensor, squares: torch.Tensor) -> Optional[_Plan]:
+    def get(self, x: torch.Tensor, w: torch.Tensor, stride: list, padding: list) -> Optional[_Plan]:
         key = (x.device.index, x.dtype, tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()),
                tuple(stride), tuple(padding))
         if key not in self.plans:
@@ -110,7 +109,7 @@ class _Plans:
                 raise RuntimeError(f"imagenet::conv_stats met input {list(x.shape)}, weight {list(w.shape)} for the "
                                    "first time inside a CUDA graph capture; run the shape once before capturing")
             try:
-                self.plans[key] = self._build(x, w, y, stride, padding, sums, squares)
+                self.plans[key] = self._build(x, w, stride, padding)
             except _Refused as e:  # no engine for this shape: torch's convolution and sums
                 self.plans[key] = None
                 logger.warning("=> note: cuDNN builds no fused convolution + statistics for input %s, weight %s, "
@@ -118,7 +117,7 @@ class _Plans:
                                list(w.shape), list(stride), " ".join(str(e).split())[:200])
         return self.plans[key]
 
-    def _build(self, x, w, y, stride, padding, sums, squares) -> _Plan:
+    def _build(self, x, w, stride, padding) -> _Plan:
         cudnn = _frontend()
         device = x.device
         if device.index not in self.handles:
@@ -148,7 +147,7 @@ class _Plans:
         except cudnn.cudnnGraphNotSupportedError as e:
             raise _Refused(str(e)) from None
         tensors = (X, W, Y, SUM, SQ)
-        data = (x, w, y, sums, squares)
+        data = (x, w, *_outputs(x, w, stride, padding))  # written by the plans' timing runs
         best, why = None, ""
         for index in range(min(graph.get_execution_plan_count(), PLANS)):
             try:
@@ -186,34 +185,38 @@ def _output_shape(x_shape, w_shape, stride, padding) -> tuple:
     return n, k, (h + 2 * padding[0] - r) // stride[0] + 1, (w + 2 * padding[1] - s) // stride[1] + 1
 
 
+def _outputs(x: torch.Tensor, weight: torch.Tensor, stride, padding) -> tuple:
+    """Empty (output, sums, squares) of a convolution of ``x`` by ``weight``, the sums shaped
+    [1, K, 1, 1] as cuDNN's graph declares them."""
+    k = weight.shape[0]
+    y = torch.empty(_output_shape(x.shape, weight.shape, stride, padding), dtype=x.dtype, device=x.device,
+                    memory_format=torch.channels_last)
+    return y, x.new_empty((1, k, 1, 1), dtype=torch.float32), x.new_empty((1, k, 1, 1), dtype=torch.float32)
+
+
 @torch.library.custom_op("imagenet::conv_stats", mutates_args=())
 def conv_stats_op(x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                   padding: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(conv2d(x, weight), its per-channel sum, its per-channel sum of squares), the sums float32."""
     x = x.contiguous(memory_format=torch.channels_last)
     weight = weight.contiguous(memory_format=torch.channels_last)
-    k = weight.shape[0]
-    y = torch.empty(_output_shape(x.shape, weight.shape, stride, padding), dtype=x.dtype, device=x.device,
-                    memory_format=torch.channels_last)
-    sums = torch.empty((1, k, 1, 1), dtype=torch.float32, device=x.device)
-    squares = torch.empty_like(sums)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        plan = _PLANS.get(x, weight, y, stride, padding, sums, squares) if x.is_cuda else None
+        plan = _PLANS.get(x, weight, stride, padding) if x.is_cuda else None
         if plan is not None:
+            y, sums, squares = _outputs(x, weight, stride, padding)
             plan.run(x, weight, y, sums, squares)
-            return y, sums.view(k), squares.view(k)
-    # a shape cuDNN refused (or the CPU tests): torch's convolution, the sums upcast inside the kernels
+            return y, sums.view(-1), squares.view(-1)
+    # a shape cuDNN refused (or the CPU tests): torch's convolution and float32 sums (the squares
+    # summed as such: a norm squared again rounds them enough to matter where the variance is small)
     y = F.conv2d(x, weight, stride=stride, padding=padding).contiguous(memory_format=torch.channels_last)
-    return (y, y.sum((0, 2, 3), dtype=torch.float32),
-            torch.linalg.vector_norm(y, 2, dim=(0, 2, 3), dtype=torch.float32).square())
+    y32 = y.float()
+    return y, y32.sum((0, 2, 3)), y32.square().sum((0, 2, 3))
 
 
 @conv_stats_op.register_fake
 def _(x, weight, stride, padding):
-    k = weight.shape[0]
-    y = torch.empty(_output_shape(x.shape, weight.shape, stride, padding), dtype=x.dtype, device=x.device,
-                    memory_format=torch.channels_last)
-    return y, x.new_empty(k, dtype=torch.float32), x.new_empty(k, dtype=torch.float32)
+    y, sums, squares = _outputs(x, weight, stride, padding)
+    return y, sums.view(-1), squares.view(-1)
 
 
 def _setup_context(ctx, inputs, output):
