@@ -46,9 +46,17 @@ def _frontend():
         return None
 
 
-def why_unavailable(device: torch.device) -> Optional[str]:
-    """Why the fused convolutions cannot run on ``device`` (None: they can). Never raises: a
-    package that loads but cannot reach its cuDNN is a reason like any other."""
+def conv_dtype(precision: str) -> Optional[torch.dtype]:
+    """The convolutions' dtype in a run of ``precision`` (Config.precision_name); None in fp32,
+    where the fused statistics do not serve."""
+    return {"fp16": torch.float16, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(precision)
+
+
+def why_unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the fused convolutions cannot run on ``device`` (None: they can); with ``dtype``, also
+    whether cuDNN has an engine for them in that dtype (cuDNN 9.19 on an H200 has one for float16,
+    none for bfloat16), asked of one small graph without building it. Never raises: a package that
+    loads but cannot reach its cuDNN is a reason like any other."""
     if device.type != "cuda":
         return f"this run is on {device}"
     frontend = _frontend()
@@ -59,9 +67,27 @@ def why_unavailable(device: torch.device) -> Optional[str]:
             return "cuDNN's runtime-fusion engines need a GPU of compute capability 8.0 or later"
         if frontend.backend_version() < MIN_BACKEND:
             return f"cuDNN {frontend.backend_version_string()} is older than 8.8, which added these fusions"
+        if dtype is not None and not _supports(device.index if device.index is not None else
+                                               torch.cuda.current_device(), dtype):
+            return (f"cuDNN {frontend.backend_version_string()} has no engine for them in "
+                    f"{str(dtype).replace('torch.', '')} here")
     except Exception as e:  # the package loads, its cuDNN or the GPU does not answer
         return f"{PACKAGE} could not reach cuDNN here ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _supports(index: int, dtype: torch.dtype) -> bool:
+    """Whether cuDNN proposes a supported plan for a convolution + statistics in ``dtype`` on GPU
+    ``index`` (a 64-channel 1x1 convolution of a [2, 64, 8, 8] channels_last input): the engines'
+    support depends on the dtype, not on ResNet's shapes. No plan is built, so nothing compiles."""
+    x = torch.empty((2, 64, 8, 8), dtype=dtype, device=f"cuda:{index}").contiguous(memory_format=torch.channels_last)
+    w = torch.empty((64, 64, 1, 1), dtype=dtype, device=x.device).contiguous(memory_format=torch.channels_last)
+    try:
+        _PLANS.graph(x, w, [1, 1], [0, 0])
+    except _Refused:
+        return False
+    return True
 
 
 def applies(x: torch.Tensor, conv: nn.Module) -> bool:
@@ -117,7 +143,9 @@ class _Plans:
                                list(w.shape), list(stride), " ".join(str(e).split())[:200])
         return self.plans[key]
 
-    def _build(self, x, w, stride, padding) -> _Plan:
+    def graph(self, x, w, stride, padding) -> tuple:
+        """The checked (not yet built) cuDNN graph of ``x``'s convolution by ``w`` and its
+        statistics, its tensors and handle; _Refused where cuDNN has no engine for it."""
         cudnn = _frontend()
         device = x.device
         if device.index not in self.handles:
@@ -146,7 +174,11 @@ class _Plans:
             graph.check_support()
         except cudnn.cudnnGraphNotSupportedError as e:
             raise _Refused(str(e)) from None
-        tensors = (X, W, Y, SUM, SQ)
+        return graph, (X, W, Y, SUM, SQ), handle
+
+    def _build(self, x, w, stride, padding) -> _Plan:
+        cudnn = _frontend()
+        graph, tensors, handle = self.graph(x, w, stride, padding)
         data = (x, w, *_outputs(x, w, stride, padding))  # written by the plans' timing runs
         best, why = None, ""
         for index in range(min(graph.get_execution_plan_count(), PLANS)):

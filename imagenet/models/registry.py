@@ -90,13 +90,15 @@ def use_bn_kernels(kind: str, device: torch.device) -> bool:
     return True
 
 
-def use_conv_stats(kind: str, device: torch.device) -> bool:
+def use_conv_stats(kind: str, device: torch.device, precision: str) -> bool:
     """Whether ``--bn-kernel kind`` has the convolutions make their BatchNorms' sums here
-    (``cudnn``; a UserError naming the fix where it cannot run). Under Triton's interpreter the
-    CPU tests run the same path on torch's convolution."""
-    if kind != "cudnn":
+    (``cudnn`` in a half-precision run of ``precision``, Config.precision_name; a UserError naming
+    the fix where it cannot run). Under Triton's interpreter the CPU tests run the same path on
+    torch's convolution."""
+    dtype = convstats.conv_dtype(precision)
+    if kind != "cudnn" or dtype is None:  # fp32: the Triton kernels make them (the banner says so)
         return False
-    why = convstats.why_unavailable(device)
+    why = convstats.why_unavailable(device, dtype)
     if why is not None and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise UserError(f"--bn-kernel cudnn takes the BatchNorm statistics from cuDNN's fused convolutions, and "
                         f"{why}: use --bn-kernel triton")

@@ -63,13 +63,15 @@ class Machine:
     no_conv_stats: Optional[str] = "not looked up"
 
     @classmethod
-    def of(cls, ctx, decode: str = "auto", data: Optional[str] = None, bn_kernel: str = "auto") -> "Machine":
+    def of(cls, ctx, decode: str = "auto", data: Optional[str] = None, bn_kernel: str = "auto",
+           precision: str = "fp16") -> "Machine":
         """This process's machine, from its launch context. Whether a GPU JPEG decoder runs here
         is looked up (a probe decode on the GPU), and whether ``data``'s training images are
         JPEGs (no ``data``: the built-in dataset, PNGs), only for ``--decode auto`` on a GPU, the
         one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built.
-        Whether cuDNN's fused statistics run here, only for ``--bn-kernel auto|cudnn`` on a GPU."""
-        from ..kernels.convstats import why_unavailable
+        Whether cuDNN's fused statistics run here, only for ``--bn-kernel auto|cudnn`` on a GPU, in
+        the convolutions' dtype of ``precision`` (Config.precision_name; fp32 runs do not use them)."""
+        from ..kernels.convstats import conv_dtype, why_unavailable
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
@@ -78,8 +80,8 @@ class Machine:
         jpeg = (images_are_jpeg(data) if data else False) if auto else None
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
                    gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg,
-                   no_conv_stats=why_unavailable(ctx.device) if cuda and bn_kernel in ("auto", "cudnn")
-                   else "not looked up")
+                   no_conv_stats=why_unavailable(ctx.device, conv_dtype(precision))
+                   if cuda and bn_kernel in ("auto", "cudnn") and conv_dtype(precision) else "not looked up")
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def resolved(cfg: Config, ctx) -> Config:
     from a config of their own (benchmarks, tests)."""
     if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
         return cfg
-    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel)).apply(cfg)
+    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.precision_name)).apply(cfg)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
@@ -166,10 +168,10 @@ def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional
 def _conv_stats_fallback(cfg: Config, machine: Machine, compile_mode: str) -> Optional[str]:
     """Why ``--bn-kernel auto``'s fused BatchNorm does not take its statistics from cuDNN's fused
     convolutions here (None: it does)."""
+    if not (cfg.fp16 or cfg.amp):  # before the machine's answer: an fp32 run does not ask cuDNN
+        return "which serve half-precision convolutions (--fp16, --amp), and this run is fp32"
     if machine.no_conv_stats is not None:
         return f"as {machine.no_conv_stats}"
-    if not (cfg.fp16 or cfg.amp):
-        return "which serve fp16 and bf16 convolutions (--fp16, --amp), and this run is fp32"
     if compile_mode not in ("reduce-overhead", "max-autotune"):  # CUDA graphs replay the launches
         return "as without CUDA graphs each of their graphs would be launched from Python"
     return None
@@ -233,7 +235,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
                                   f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
     notes = []
     if cfg.bn_kernel == "cudnn" and not (cfg.fp16 or cfg.amp):
-        notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve fp16 and bf16 convolutions (--fp16, --amp); "
+        notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve half-precision convolutions (--fp16, --amp); "
                      "in this fp32 run the Triton kernels make them")
     if tune and compile_mode == "off":
         tune = False
