@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-from . import convstats, maxpool
+from . import convstats
 
 try:  # Triton ships with CUDA builds of torch
     import triton
@@ -560,49 +560,6 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
     return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
 
 
-@torch.library.custom_op("imagenet::bn_relu_stem_maxpool", mutates_args=())
-def bn_relu_stem_maxpool_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor,
-                            invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pooled values, winner bytes) of the stem max-pool of relu(bn(x)), ``x``'s batch statistics
-    from :func:`bn_stats_op`: one pass over ``x`` (:func:`imagenet.kernels.maxpool.pool`)."""
-    return maxpool.pool(x, (mean, invstd, weight, bias))
-
-
-@bn_relu_stem_maxpool_op.register_fake
-def _(x, weight, bias, mean, invstd):
-    return maxpool.pool_like(x)
-
-
-def _pool_setup_context(ctx, inputs, output):
-    x, weight, bias, mean, invstd = inputs
-    ctx.save_for_backward(x, output[1], mean, invstd, weight, bias)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _pool_backward(ctx, grad, _grad_idx):
-    # the max-pool's gradient (the normalised tensor's), then the BatchNorm's with the ReLU's mask
-    # recomputed from x: the two ops the unfused stem runs, in the same order
-    x, idx, mean, invstd, weight, bias = ctx.saved_tensors
-    dz = maxpool.stem_maxpool_backward(grad, idx, x.shape[2], x.shape[3])
-    dx, dw, db, _ = bn_act_backward(dz, None, x, None, mean, invstd, weight, bias, MASK_FROM_INPUT, False)
-    return dx, dw, db, None, None
-
-
-bn_relu_stem_maxpool_op.register_autograd(_pool_backward, setup_context=_pool_setup_context)
-
-
-def bn_relu_pool(x: torch.Tensor, bn: nn.BatchNorm2d, pool: nn.Module) -> torch.Tensor:
-    """``pool(relu(bn(x)))``, the ResNet stem after its convolution; where the BatchNorm is fused
-    and ``pool`` is the stem max-pool's kernel (:class:`imagenet.kernels.maxpool.StemMaxPool`), one
-    kernel normalises as it pools, so the 4x larger normalised tensor is neither written nor read
-    back. Values and gradients are those of the two kernels apart, bit for bit."""
-    if not (isinstance(pool, maxpool.StemMaxPool) and takes(x, bn) and maxpool.takes(x)):
-        return pool(bn_act(x, bn))
-    bn.num_batches_tracked.add_(1)
-    mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
-    return bn_relu_stem_maxpool_op(x, bn.weight, bn.bias, mean, invstd)[0]
-
-
 def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
                 relu: bool = True, fork: bool = False, stats_in_conv: bool = False):
     """:func:`bn_act` of ``conv(x)``; with ``stats_in_conv``, where the BatchNorm is fused and the
@@ -660,10 +617,10 @@ class FusedBottleneck(Bottleneck):
 
 
 class FusedResNet(ResNet):
-    """torchvision's ResNet with the stem's BatchNorm, ReLU and max-pool through :func:`bn_relu_pool`."""
+    """torchvision's ResNet with the stem's BatchNorm and ReLU through :func:`bn_act`."""
 
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
-        x = bn_relu_pool(self.conv1(x), self.bn1, self.maxpool)
+        x = self.maxpool(bn_act(self.conv1(x), self.bn1))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 

@@ -21,7 +21,6 @@ they are and CUDA graphs capture them. ``TRITON_INTERPRET=1`` runs them on a CPU
 """
 
 import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -66,13 +65,12 @@ def _nhwc_empty(n: int, c: int, h: int, w: int, dtype: torch.dtype, device) -> t
 
 
 if triton is not None:
-    # The two kernels below share their first lines, each kept whole so it reads on its own.
+    # The two kernels below ran compiled on an H200 (tests/test_maxpool.py, docs/BENCHMARKS.md);
+    # their common first lines are left as they ran rather than moved into a helper untested there.
     @triton.jit
-    def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, pixels, C, H, W, OH, OW,
-                              NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # One program: BLOCK_P output pixels (n, oh, ow) x BLOCK_C channels, NHWC. NORM: x is the
-        # stem convolution's output, put through BatchNorm (the batch's mean and 1/std) and ReLU
-        # as it is loaded, each value rounded to y's dtype as the separate BatchNorm would store it.
+    def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, pixels, C, H, W, OH, OW,
+                              BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # One program: BLOCK_P output pixels (n, oh, ow) x BLOCK_C channels, NHWC.
         p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         p_ok = p < pixels
@@ -80,11 +78,6 @@ if triton is not None:
         ow = p % OW
         oh = (p // OW) % OH
         n = p // (OW * OH)
-        if NORM:  # imagenet.kernels.fusedbn's affine form: x * scale + shift
-            invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-            scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
-            shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(
-                mean_ptr + c, mask=c_ok, other=0.0) * scale
         best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
         # The centre is always inside the image; a window of -inf only (never after BN + ReLU)
         # keeps it, where torch may name another of its pixels.
@@ -96,10 +89,6 @@ if triton is not None:
             offs = ((n * H + ih) * W + iw).to(tl.int64) * C
             v = tl.load(x_ptr + offs[:, None] + c[None, :], mask=inside[:, None] & c_ok[None, :],
                         other=float("-inf")).to(tl.float32)
-            if NORM:
-                z = v * scale[None, :] + shift[None, :]
-                z = tl.where(z < 0, 0.0, z).to(y_ptr.dtype.element_ty).to(tl.float32)  # torch's ReLU: NaN stays
-                v = tl.where(inside[:, None], z, float("-inf"))  # the padding stays -inf
             take = (v > best) | (v != v)  # strictly greater: the first maximum wins; NaN always
             best = tl.where(take, v, best)
             arg = tl.where(take, k, arg)
@@ -139,45 +128,31 @@ if triton is not None:
         tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
 
 
-def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int, ow: int, **flags) -> None:
+def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int, ow: int) -> None:
     """``kernel`` over ``pixels`` pixels x ``c`` channels (NHWC), in programs of BLOCK_P x up to 64."""
     if pixels and c:
         block_c = min(triton.next_power_of_2(c), 64)
         grid = (triton.cdiv(pixels, BLOCK_P), triton.cdiv(c, block_c))
-        kernel[grid](*tensors, pixels, c, h, w, oh, ow, **flags, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
+        kernel[grid](*tensors, pixels, c, h, w, oh, ow, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
 
 
-def pool(x: torch.Tensor, norm: Optional[tuple] = None) -> tuple:
-    """(pooled values, winner byte per value) of a channels_last NCHW tensor; both channels_last.
-    ``norm``: (mean, 1/std, weight, bias) of a training-mode BatchNorm whose output, after a
-    ReLU, is what is pooled (imagenet.kernels.fusedbn.bn_relu_pool): x is then read once, and the
-    normalised tensor never written."""
+@torch.library.custom_op("imagenet::stem_maxpool", mutates_args=())
+def stem_maxpool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pooled values, winner byte per value) of a channels_last NCHW tensor; both channels_last."""
     x = x.contiguous(memory_format=torch.channels_last)  # the kernel reads dense NHWC; a no-op when it is
     n, c, h, w = x.shape
     oh, ow = out_size(h), out_size(w)
     y = _nhwc_empty(n, c, oh, ow, x.dtype, x.device)
     idx = _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
-    _launch(_stem_maxpool_forward, (x, y, idx, *(norm or (x, x, x, x))), n * oh * ow, c, h, w, oh, ow,
-            NORM=norm is not None)
+    _launch(_stem_maxpool_forward, (x, y, idx), n * oh * ow, c, h, w, oh, ow)
     return y, idx
-
-
-@torch.library.custom_op("imagenet::stem_maxpool", mutates_args=())
-def stem_maxpool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pool` of ``x`` as it is."""
-    return pool(x)
-
-
-def pool_like(x: torch.Tensor) -> tuple:
-    """Empty (pooled values, winner bytes) for ``x`` (the ops' fake implementations)."""
-    n, c, h, w = x.shape
-    oh, ow = out_size(h), out_size(w)
-    return _nhwc_empty(n, c, oh, ow, x.dtype, x.device), _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
 
 
 @stem_maxpool.register_fake
 def _(x):
-    return pool_like(x)
+    n, c, h, w = x.shape
+    oh, ow = out_size(h), out_size(w)
+    return _nhwc_empty(n, c, oh, ow, x.dtype, x.device), _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
 
 
 @torch.library.custom_op("imagenet::stem_maxpool_backward", mutates_args=())
