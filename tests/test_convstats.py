@@ -64,9 +64,9 @@ def test_asking_for_cudnn_where_the_package_is_missing_names_the_fix(monkeypatch
     monkeypatch.setattr(convstats, "why_unavailable", lambda device, dtype=None: why)
     with pytest.raises(UserError, match=r"--bn-kernel cudnn .*\(pip install nvidia-cudnn-frontend\): use --bn-kernel "
                                         r"triton"):
-        use_conv_stats("cudnn", torch.device("cuda"), "fp16")
-    assert use_conv_stats("triton", torch.device("cuda"), "fp16") is False
-    assert use_conv_stats("cudnn", torch.device("cuda"), "fp32") is False  # fp32: the Triton kernels (a note)
+        use_conv_stats("cudnn", torch.device("cuda"), "float16")
+    assert use_conv_stats("triton", torch.device("cuda"), "float16") is False
+    assert use_conv_stats("cudnn", torch.device("cuda"), None) is False  # fp32: the Triton kernels (a note)
 
 
 def test_the_machine_asks_cudnn_about_the_runs_own_convolution_dtype(monkeypatch):
@@ -75,23 +75,23 @@ def test_the_machine_asks_cudnn_about_the_runs_own_convolution_dtype(monkeypatch
     monkeypatch.setattr(convstats, "why_unavailable", lambda device, dtype=None: asked.append(dtype) or
                         ("cuDNN 9.19.0 has no engine for them in bfloat16 here" if dtype is torch.bfloat16 else None))
     gpu = DistContext("gpu", torch.device("cuda", 0), "test")
-    bf16 = Machine.of(gpu, "cpu", None, "auto", "amp-bf16")
+    bf16 = Machine.of(gpu, "cpu", None, "auto", "bfloat16")
     assert asked == [torch.bfloat16] and "bfloat16" in bf16.no_conv_stats
     plan = resolve(parse_config(["--dummy", "--amp", "--amp-dtype", "bfloat16"]),
                    dataclasses.replace(bf16, triton=True))
     assert plan.bn_kernel == "triton" and "no engine for them in bfloat16" in _lines(plan)
-    assert Machine.of(gpu, "cpu", None, "auto", "fp16").no_conv_stats is None and asked[-1] is torch.float16
-    fp32 = Machine.of(gpu, "cpu", None, "auto", "fp32")
+    assert Machine.of(gpu, "cpu", None, "auto", "float16").no_conv_stats is None and asked[-1] is torch.float16
+    fp32 = Machine.of(gpu, "cpu", None, "auto", None)
     assert fp32.no_conv_stats == "not looked up" and len(asked) == 2
     plan = resolve(parse_config(["--dummy"]), dataclasses.replace(fp32, triton=True))
     assert plan.bn_kernel == "triton" and "this run is fp32" in _lines(plan) and "looked up" not in _lines(plan)
 
 
 def test_the_precision_names_the_convolutions_dtype_that_cudnn_is_asked_about():
-    assert convstats.conv_dtype("fp16") is torch.float16 and convstats.conv_dtype("amp-fp16") is torch.float16
-    assert convstats.conv_dtype("amp-bf16") is torch.bfloat16 and convstats.conv_dtype("fp32") is None
-    for argv in (["--fp16"], ["--amp"], ["--amp", "--amp-dtype", "bfloat16"], []):
-        assert parse_config(["--dummy", *argv]).precision_name in ("fp16", "amp-fp16", "amp-bf16", "fp32")
+    expected = {("--fp16",): "float16", ("--amp",): "float16", ("--amp", "--amp-dtype", "bfloat16"): "bfloat16",
+                (): None}
+    for argv, dtype in expected.items():
+        assert parse_config(["--dummy", *argv]).half_dtype == dtype, argv
 
 
 def test_main_refuses_cudnn_statistics_on_a_cpu_with_one_line(tmp_path):

@@ -152,6 +152,14 @@ class Config:
             return "amp-bf16" if self.amp_dtype == "bfloat16" else "amp-fp16"
         return "fp32"
 
+    @property
+    def half_dtype(self) -> Optional[str]:
+        """The torch dtype name the convolutions run in where it is a half-precision one
+        (``float16`` with --fp16 or --amp, ``bfloat16`` with --amp-dtype bfloat16); None in fp32."""
+        if self.fp16:
+            return "float16"
+        return self.amp_dtype if self.amp else None
+
 
 # Flags whose CLI spelling differs from the field name or that need special argparse handling.
 _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq": ["-p"],

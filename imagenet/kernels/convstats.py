@@ -46,12 +46,6 @@ def _frontend():
         return None
 
 
-def conv_dtype(precision: str) -> Optional[torch.dtype]:
-    """The convolutions' dtype in a run of ``precision`` (Config.precision_name); None in fp32,
-    where the fused statistics do not serve."""
-    return {"fp16": torch.float16, "amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(precision)
-
-
 def why_unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why the fused convolutions cannot run on ``device`` (None: they can); with ``dtype``, also
     whether cuDNN has an engine for them in that dtype (cuDNN 9.19 on an H200 has one for float16,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -90,15 +91,14 @@ def use_bn_kernels(kind: str, device: torch.device) -> bool:
     return True
 
 
-def use_conv_stats(kind: str, device: torch.device, precision: str) -> bool:
+def use_conv_stats(kind: str, device: torch.device, half_dtype: Optional[str]) -> bool:
     """Whether ``--bn-kernel kind`` has the convolutions make their BatchNorms' sums here
-    (``cudnn`` in a half-precision run of ``precision``, Config.precision_name; a UserError naming
+    (``cudnn`` in a run whose convolutions are in ``half_dtype``, Config.half_dtype; a UserError naming
     the fix where it cannot run). Under Triton's interpreter the CPU tests run the same path on
     torch's convolution."""
-    dtype = convstats.conv_dtype(precision)
-    if kind != "cudnn" or dtype is None:  # fp32: the Triton kernels make them (the banner says so)
+    if kind != "cudnn" or half_dtype is None:  # fp32: the Triton kernels make them (the banner says so)
         return False
-    why = convstats.why_unavailable(device, dtype)
+    why = convstats.why_unavailable(device, getattr(torch, half_dtype))
     if why is not None and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise UserError(f"--bn-kernel cudnn takes the BatchNorm statistics from cuDNN's fused convolutions, and "
                         f"{why}: use --bn-kernel triton")

@@ -64,14 +64,16 @@ class Machine:
 
     @classmethod
     def of(cls, ctx, decode: str = "auto", data: Optional[str] = None, bn_kernel: str = "auto",
-           precision: str = "fp16") -> "Machine":
+           half_dtype: Optional[str] = "float16") -> "Machine":
         """This process's machine, from its launch context. Whether a GPU JPEG decoder runs here
         is looked up (a probe decode on the GPU), and whether ``data``'s training images are
         JPEGs (no ``data``: the built-in dataset, PNGs), only for ``--decode auto`` on a GPU, the
         one choice they decide; ``--decode gpu`` finds its decoder when the loaders are built.
         Whether cuDNN's fused statistics run here, only for ``--bn-kernel auto|cudnn`` on a GPU, in
-        the convolutions' dtype of ``precision`` (Config.precision_name; fp32 runs do not use them)."""
-        from ..kernels.convstats import conv_dtype, why_unavailable
+        the convolutions' dtype (Config.half_dtype; fp32 runs, None, do not use them)."""
+        import torch
+
+        from ..kernels.convstats import why_unavailable
         from ..kernels.fusedbn import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
@@ -80,8 +82,8 @@ class Machine:
         jpeg = (images_are_jpeg(data) if data else False) if auto else None
         return cls(ctx.device.type, ctx.mode, cuda and available(), cpus_per_gpu=max(usable_cpus() // gpus_here, 1),
                    gpus_per_process=gpus_per_process, gpu_decode=auto and gpu_decoder_available(), jpeg=jpeg,
-                   no_conv_stats=why_unavailable(ctx.device, conv_dtype(precision))
-                   if cuda and bn_kernel in ("auto", "cudnn") and conv_dtype(precision) else "not looked up")
+                   no_conv_stats=why_unavailable(ctx.device, getattr(torch, half_dtype))
+                   if cuda and bn_kernel in ("auto", "cudnn") and half_dtype else "not looked up")
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def resolved(cfg: Config, ctx) -> Config:
     from a config of their own (benchmarks, tests)."""
     if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
         return cfg
-    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.precision_name)).apply(cfg)
+    return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.half_dtype)).apply(cfg)
 
 
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:

@@ -197,8 +197,8 @@ def run(cfg: Config, env: Optional[ProcessEnv] = None) -> dict:
         env = set_process_env(os.environ, cache_root=str(cfg.cache_dir or default_cache_dir()))
     ctx = distributed.setup(cfg)
     _setup_logging(ctx)
-    plan = with_environment(resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.precision_name)), env,
-                            ctx.device.type)
+    machine = Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.half_dtype)
+    plan = with_environment(resolve(cfg, machine), env, ctx.device.type)
     try:
         with contextlib.ExitStack() as held:  # what the run holds open (the data's files) is released at its end
             return _run(plan.apply(cfg), ctx, plan, started, requested=cfg, held=held)
