@@ -126,7 +126,8 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
 
 def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     """Every BatchNorm of ResNet-50 once, in order; the residual BatchNorms of all blocks but the
-    last take two gradients (fusedbn.fuse_resnet forks those outputs), and count one pass more."""
+    last take two gradients (fusedbn.fuse_resnet forks those outputs), and their gradient sums count one
+    pass more."""
     pytest.importorskip("triton")
     sweep = _load("bn_kernel_sweep")
     from imagenet.kernels import fusedbn
@@ -136,7 +137,11 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     assert len(forked) == 15 and all(relu and res for _, _, _, _, relu, res, _ in forked)
     assert not layers[-1][6] and layers[-1][5]  # the last block's output feeds the pooling alone
     x = torch.empty(2, 8, 4, 4)
-    one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_OUTPUT}
+    one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_BITS}
     two = dict(one, dy2=x)
-    for phase in ("grad", "grad_input"):
-        assert sweep.phase_bytes(phase, two) - sweep.phase_bytes(phase, one) == x.numel() * 2
+    # the second gradient is read by the gradient sums; the input gradients read the kept masked gradient alone
+    assert sweep.phase_bytes("grad", two) - sweep.phase_bytes("grad", one) == x.numel() * 2
+    assert sweep.phase_bytes("grad_input", two) == sweep.phase_bytes("grad_input", one) == 3 * x.numel() * 2
+    plain = {"x": x, "r": None, "dy2": None, "mask": fusedbn.MASK_FROM_INPUT}
+    assert sweep.phase_bytes("grad_input", plain) == 3 * x.numel() * 2
+    assert sweep.phase_bytes("apply", one) == (3 * x.numel() * 2) + x.numel() * 2 // 16  # the mask's bits

@@ -9,8 +9,11 @@ gradient. A block's output, read by the next block's convolution and shortcut, i
 (:class:`_ForkedBnAct`) so both backward passes load its two gradients instead of autograd
 summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
 passes); it is then the float32 sum's mask, which differs from torch's only for outputs that
-round to zero in fp16. Arithmetic is float32; outputs are rounded once; running statistics
-follow torch's rule.
+round to zero in fp16. With one, the forward writes the mask as bits (read off the rounded
+output, as torch's backward reads it; a sixteenth of an fp16 pass instead of reading the output
+back twice), and the gradient-sums pass writes the masked gradient, which is the residual's
+gradient, so the input-gradient pass reads that one tensor instead of both gradients and the
+mask. Arithmetic is float32; outputs are rounded once; running statistics follow torch's rule.
 
 With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
 output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
@@ -98,7 +101,7 @@ PARTIALS = None  # tests: at most this many row ranges per channel block (None: 
 FINISH_C = 16  # channels per program of the kernels that combine the partial results
 FINISH_P = 128  # partial results combined per step of those kernels
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MASK_NONE, MASK_FROM_OUTPUT, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
+MASK_NONE, MASK_FROM_BITS, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
 
 
 def available() -> bool:
@@ -209,8 +212,9 @@ if triton is not None:
         return mean, invstd, scale, shift
 
     @triton.jit
-    def _apply(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
-               HAS_RES: tl.constexpr, RELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _apply(x_ptr, r_ptr, y_ptr, bits_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C, NW,
+               HAS_RES: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_C: tl.constexpr, WORD: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -222,15 +226,36 @@ if triton is not None:
             z += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if RELU:
             z = tl.where(z < 0, 0.0, z)  # torch's ReLU: NaN stays NaN
-        tl.store(y_ptr + offs, z.to(y_ptr.dtype.element_ty), mask=mask)
+        y = z.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, y, mask=mask)
+        if BITS:  # the ReLU's mask as torch's backward reads it off the output: passes where not <= 0
+            keep = tl.where(mask & ~(y.to(tl.float32) <= 0), 1, 0)
+            _store_bits(keep, bits_ptr, r, M, NW, BLOCK_M, BLOCK_C, WORD)
 
     @triton.jit
-    def _masked(g, x, y_ptr, offs, mask, scale, shift, MASK: tl.constexpr):
-        # torch's ReLU gradient: zero where the output is <= 0 (a NaN output passes it), the output
-        # read back (MASK 1) or recomputed from the input (MASK 2, no residual was added)
+    def _store_bits(keep, bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+        # keep, [BLOCK_M, BLOCK_C] of 0/1 for this program's channel block, as WORD-bit words:
+        # channel c is bit c % WORD of word c // WORD of its row ([M, NW] int32)
+        words = tl.sum(tl.reshape(keep, (BLOCK_M, BLOCK_C // WORD, WORD)) << tl.arange(0, WORD)[None, None, :], 2)
+        w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
+        tl.store(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], words.to(tl.int32),
+                 mask=(r < M)[:, None] & (w < NW)[None, :])
+
+    @triton.jit
+    def _load_bits(bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+        # :func:`_store_bits`' words back as a [BLOCK_M, BLOCK_C] tile of 0/1
+        w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
+        words = tl.load(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], mask=(r < M)[:, None] & (w < NW)[None, :],
+                        other=0)
+        return tl.reshape((words[:, :, None] >> tl.arange(0, WORD)[None, None, :]) & 1, (BLOCK_M, BLOCK_C))
+
+    @triton.jit
+    def _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+        # torch's ReLU gradient: zero where the output is <= 0 (a NaN output passes it), from the
+        # bits the forward wrote (MASK 1) or recomputed from the input (MASK 2, no residual was added)
         if MASK == 1:
-            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.where(y <= 0, 0.0, g)
+            g = tl.where(_load_bits(bits_ptr, r, M, NW, BLOCK_M, BLOCK_C, WORD) == 0, 0.0, g)
         if MASK == 2:
             g = tl.where(x * scale[None, :] + shift[None, :] <= 0, 0.0, g)
         return g
@@ -245,10 +270,12 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _partial_grad(dy_ptr, dy2_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr, M, C, ROWS,
-                      TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                      STAGES: tl.constexpr):
-        # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked gradient.
+    def _partial_grad(dy_ptr, dy2_ptr, bits_ptr, x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr,
+                      M, C, ROWS, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, KEEP_G: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, STAGES: tl.constexpr):
+        # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked
+        # gradient; with KEEP_G, g itself is written too (the residual's gradient, which the
+        # input-gradient pass then reads in place of the incoming gradients and the mask).
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
@@ -261,7 +288,9 @@ if triton is not None:
             offs = r.to(tl.int64)[:, None] * C + c[None, :]
             g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
+            g = _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK, BLOCK_M, BLOCK_C, WORD)
+            if KEEP_G:
+                tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
             sg += g
             sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
         out = tl.program_id(0) * C + c
@@ -288,9 +317,9 @@ if triton is not None:
         tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
-    def _grad_input(dy_ptr, dy2_ptr, y_ptr, x_ptr, dx_ptr, dr_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr,
-                    M, C, HAS_RES: tl.constexpr, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+    def _grad_input(dy_ptr, dy2_ptr, bits_ptr, x_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr,
+                    M, C, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_C: tl.constexpr, WORD: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -301,9 +330,7 @@ if triton is not None:
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = _masked(g, x, y_ptr, offs, mask, scale, shift, MASK)
-        if HAS_RES:
-            tl.store(dr_ptr + offs, g.to(dr_ptr.dtype.element_ty), mask=mask)
+        g = _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK, BLOCK_M, BLOCK_C, WORD)
         dx = scale[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -339,7 +366,20 @@ def _cl(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_kind(relu: bool, has_res: bool) -> int:
-    return (MASK_FROM_OUTPUT if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
+    return (MASK_FROM_BITS if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
+
+
+def _word(c: int) -> int:
+    """Bits per int32 word of the ReLU's mask over ``c`` channels: 32, or the channel block where
+    it is narrower (a word never straddles two programs' channel blocks)."""
+    return min(32, triton.next_power_of_2(c))
+
+
+def mask_bits(x: torch.Tensor) -> torch.Tensor:
+    """An empty [N*H*W, words] int32 tensor for the ReLU mask of the channels_last ``x``: one bit a
+    value (:func:`normalise` writes it), a sixteenth of an fp16 pass over ``x``."""
+    n, c, h, w = x.shape
+    return x.new_empty((n * h * w, -(-c // _word(c))), dtype=torch.int32)
 
 
 def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
@@ -368,57 +408,66 @@ def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.T
 
 
 def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
-              weight: torch.Tensor, bias: torch.Tensor, relu: bool) -> torch.Tensor:
-    """``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype."""
+              weight: torch.Tensor, bias: torch.Tensor, relu: bool) -> tuple:
+    """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
+    the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
+    alone no longer tells), else an empty tensor)."""
     n, c, h, w = x.shape
     m = n * h * w
     launch = LAUNCH["apply"]
     block_m, block_c = _blocks(c, launch)
     y = torch.empty_like(x, memory_format=torch.channels_last)
+    with_bits = _mask_kind(relu, residual is not None) == MASK_FROM_BITS
+    bits = mask_bits(x) if with_bits else x.new_empty(0, dtype=torch.int32)
     xs = _rows(x)
     _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-        xs, _rows(residual) if residual is not None else xs, _rows(y), mean, invstd, weight, bias, m, c,
-        HAS_RES=residual is not None, RELU=relu, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=launch.warps)
-    return y
+        xs, _rows(residual) if residual is not None else xs, _rows(y), bits if with_bits else xs, mean, invstd,
+        weight, bias, m, c, bits.shape[-1] if with_bits else 0, HAS_RES=residual is not None, RELU=relu,
+        BITS=with_bits, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
+    return y, bits
 
 
-def gradient_sums(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+def gradient_sums(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
                   invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
-                  dy2: Optional[torch.Tensor] = None) -> tuple:
+                  dy2: Optional[torch.Tensor] = None, keep_g: bool = False) -> tuple:
     """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy`` (plus
-    ``dy2``, a forked output's second gradient); and the weight's and bias's gradients."""
+    ``dy2``, a forked output's second gradient; the mask from ``bits`` or ``x`` as ``mask``
+    says); the weight's and bias's gradients; and with ``keep_g``, g itself in ``x``'s dtype
+    (else an empty tensor)."""
     launch = LAUNCH["grad"]
     m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
     dw, db = torch.empty_like(weight), torch.empty_like(bias)
+    g = torch.empty_like(x, memory_format=torch.channels_last) if keep_g else x.new_empty(0)
     xs = _rows(x)
     dys = _rows(dy)
     _partial_grad[(parts, triton.cdiv(c, block_c))](
-        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, mean, invstd, weight,
-        bias, psg, psgx, m, c, rows, TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
-        STAGES=launch.stages, num_warps=launch.warps)
+        dys, _rows(dy2) if dy2 is not None else dys, bits if mask == MASK_FROM_BITS else xs, xs,
+        _rows(g) if keep_g else xs, mean, invstd, weight, bias, psg, psgx, m, c, rows,
+        bits.shape[-1] if mask == MASK_FROM_BITS else 0, TWO_GRADS=dy2 is not None, MASK=mask, KEEP_G=keep_g,
+        BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), STAGES=launch.stages, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
     _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
                                               BLOCK_P=FINISH_P, BLOCK_C=finish_c)
-    return sg, sgx, dw, db
+    return sg, sgx, dw, db, g
 
 
-def input_gradients(dy: torch.Tensor, x: torch.Tensor, y: Optional[torch.Tensor], mean: torch.Tensor,
+def input_gradients(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sg: torch.Tensor,
-                    sgx: torch.Tensor, mask: int, has_res: bool, dy2: Optional[torch.Tensor] = None) -> tuple:
-    """(the input's gradient, the residual's or an empty tensor), channels_last, in ``x``'s dtype."""
+                    sgx: torch.Tensor, mask: int, dy2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The input's gradient, channels_last, in ``x``'s dtype, from the sums of :func:`gradient_sums`
+    (``dy``, ``dy2``, ``bits`` and ``mask`` as there; or ``dy`` its kept g, with MASK_NONE)."""
     n, c, h, w = x.shape
     m = n * h * w
     launch = LAUNCH["grad_input"]
     block_m, block_c = _blocks(c, launch)
     dx = torch.empty_like(x, memory_format=torch.channels_last)
-    dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
     xs, dys = _rows(x), _rows(dy)
     _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-        dys, _rows(dy2) if dy2 is not None else dys, _rows(y) if y is not None else xs, xs, _rows(dx),
-        _rows(dr) if has_res else xs, mean, invstd, weight, bias, sg, sgx, m, c, HAS_RES=has_res,
-        TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c,
+        dys, _rows(dy2) if dy2 is not None else dys, bits if mask == MASK_FROM_BITS else xs, xs, _rows(dx), mean,
+        invstd, weight, bias, sg, sgx, m, c, bits.shape[-1] if mask == MASK_FROM_BITS else 0,
+        TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c),
         num_warps=launch.warps)
-    return dx, dr
+    return dx
 
 
 @torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var"))
@@ -461,32 +510,40 @@ def _(sums, squares, count, running_mean, running_var, momentum, eps):
 
 @torch.library.custom_op("imagenet::bn_act", mutates_args=())
 def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
-              mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> torch.Tensor:
-    """relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`."""
+              mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`,
+    the ReLU's mask bits for the backward or an empty tensor: :func:`normalise`)."""
     return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu)
 
 
 @bn_act_op.register_fake
 def _(x, weight, bias, residual, mean, invstd, relu):
-    return torch.empty_like(x, memory_format=torch.channels_last)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
+    if _mask_kind(relu, residual is not None) == MASK_FROM_BITS:
+        return y, mask_bits(x)
+    return y, x.new_empty(0, dtype=torch.int32)
 
 
 @torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
-def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tensor, y: Optional[torch.Tensor],
+def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tensor, bits: Optional[torch.Tensor],
                     mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
                     has_res: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`, the output's
-    gradient ``dy`` plus ``dy2`` where it was forked (:class:`_ForkedBnAct`)."""
+    gradient ``dy`` plus ``dy2`` where it was forked (:class:`_ForkedBnAct`). With a residual,
+    the gradient-sums pass writes the masked gradient (the residual's gradient) as it goes, and
+    the input-gradient pass reads that one tensor instead of both gradients and the mask."""
     dy, x = _cl(dy), _cl(x)
-    y = _cl(y) if y is not None else None
     dy2 = _cl(dy2) if dy2 is not None else None
-    sg, sgx, dw, db = gradient_sums(dy, x, y, mean, invstd, weight, bias, mask, dy2)
-    dx, dr = input_gradients(dy, x, y, mean, invstd, weight, bias, sg, sgx, mask, has_res, dy2)
+    sg, sgx, dw, db, dr = gradient_sums(dy, x, bits, mean, invstd, weight, bias, mask, dy2, keep_g=has_res)
+    if has_res:
+        dx = input_gradients(dr, x, None, mean, invstd, weight, bias, sg, sgx, MASK_NONE)
+    else:
+        dx = input_gradients(dy, x, bits, mean, invstd, weight, bias, sg, sgx, mask, dy2)
     return dx, dw, db, dr
 
 
 @bn_act_backward.register_fake
-def _(dy, dy2, x, y, mean, invstd, weight, bias, mask, has_res):
+def _(dy, dy2, x, bits, mean, invstd, weight, bias, mask, has_res):
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
     return dx, torch.empty_like(weight), torch.empty_like(bias), dr
@@ -494,25 +551,29 @@ def _(dy, dy2, x, y, mean, invstd, weight, bias, mask, has_res):
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, mean, invstd, relu = inputs
-    y = output
+    y, bits = output
     ctx.mask = _mask_kind(relu, residual is not None)
     ctx.has_res = residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
-    # y only where the mask is read from it: without a ReLU (the downsample's BatchNorm) or with
-    # the mask recomputed, keeping it would hold the tensor alive for the whole backward pass
-    ctx.save_for_backward(x, y if ctx.mask == MASK_FROM_OUTPUT else None, mean, invstd, weight, bias)
+    # the mask's bits, not the output: y is read again only by the next layer (which keeps it
+    # for its own backward), and the backward reads a sixteenth of the bytes
+    ctx.save_for_backward(x, bits if ctx.mask == MASK_FROM_BITS else None, mean, invstd, weight, bias)
 
 
 def _backward_rule(ctx, dy, dy2=None):
     # the whole gradient of x, through the statistics too: mean and invstd get none
-    x, y, mean, invstd, weight, bias = ctx.saved_tensors
-    dx, dw, db, dr = bn_act_backward(dy, dy2, x, y, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
+    x, bits, mean, invstd, weight, bias = ctx.saved_tensors
+    dx, dw, db, dr = bn_act_backward(dy, dy2, x, bits, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
     if ctx.has_res and dr.dtype != ctx.residual_dtype:
         dr = dr.to(ctx.residual_dtype)
     return dx, dw, db, (dr if ctx.has_res else None), None, None, None
 
 
-bn_act_op.register_autograd(_backward_rule, setup_context=_setup_context)
+def _op_backward(ctx, dy, _dbits):
+    return _backward_rule(ctx, dy)
+
+
+bn_act_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _ForkedBnAct(torch.autograd.Function):
@@ -528,8 +589,8 @@ class _ForkedBnAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, mean, invstd, relu):
-        y = bn_act_op(x, weight, bias, residual, mean, invstd, relu)
-        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu), y)
+        y, bits = bn_act_op(x, weight, bias, residual, mean, invstd, relu)
+        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu), (y, bits))
         return y, y.view_as(y)
 
     @staticmethod
@@ -557,7 +618,7 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
                                              bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
     if fork:
         return _ForkedBnAct.apply(x, bn.weight, bn.bias, residual, mean, invstd, relu)
-    return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)
+    return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)[0]
 
 
 def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,

@@ -70,34 +70,41 @@ def make_tensors(layers: list, device) -> list:
              "rm": torch.zeros(c, device=device), "rv": torch.ones(c, device=device)}
         t["mean"], t["invstd"] = fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
         t["mask"] = fusedbn._mask_kind(relu, res)
-        t["y"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu)
-        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["y"], t["mean"], t["invstd"], t["w"], t["b"], t["mask"],
-                                          t["dy2"])
+        t["y"], t["bits"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu)
+        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
+                                          t["mask"], t["dy2"], keep_g=res)
         out.append(t)
     return out
 
 
 def phase_call(phase: str, t: dict):
-    y = t["y"] if t["mask"] == fusedbn.MASK_FROM_OUTPUT else None
+    """The phase's call as the fused model makes it: with a residual, the gradient sums write the
+    masked gradient and the input gradients read it alone."""
+    res = t["r"] is not None
     if phase == "stats":
         return lambda: fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
     if phase == "apply":
         return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"])
     if phase == "grad":
-        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], t["mask"],
-                                             t["dy2"])
-    sg, sgx = t["sums"][:2]
-    return lambda: fusedbn.input_gradients(t["dy"], t["x"], y, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
-                                           t["mask"], t["r"] is not None, t["dy2"])
+        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
+                                             t["mask"], t["dy2"], keep_g=res)
+    sg, sgx, g = t["sums"][0], t["sums"][1], t["sums"][4]
+    if res:
+        return lambda: fusedbn.input_gradients(g, t["x"], None, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
+                                               fusedbn.MASK_NONE)
+    return lambda: fusedbn.input_gradients(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"], sg,
+                                           sgx, t["mask"], t["dy2"])
 
 
 def phase_bytes(phase: str, t: dict) -> int:
-    """Bytes the phase must move for one layer (2 a value: fp16 activations)."""
-    two = t["dy2"] is not None  # a forked output's second gradient, read by both backward phases
-    passes = {"stats": 1, "apply": 2 + (t["r"] is not None),
-              "grad": 2 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + two,
-              "grad_input": 3 + (t["mask"] == fusedbn.MASK_FROM_OUTPUT) + (t["r"] is not None) + two}[phase]
-    return passes * t["x"].numel() * 2
+    """Bytes the phase must move for one layer (2 a value: fp16 activations; the ReLU's mask bits,
+    written by the normalise pass and read by the gradient sums, a sixteenth of that)."""
+    two = t["dy2"] is not None  # a forked output's second gradient, read by the gradient sums
+    res = t["r"] is not None  # the gradient sums write the masked gradient; the input gradients read it alone
+    bits = t["mask"] == fusedbn.MASK_FROM_BITS
+    sixteenths = {"stats": 16, "apply": 16 * (2 + res) + bits, "grad": 16 * (2 + two + res) + bits,
+                  "grad_input": 16 * 3 if res else 16 * (3 + two) + bits}[phase]
+    return sixteenths * t["x"].numel() * 2 // 16
 
 
 PHASE_KERNELS = {"stats": "_partial_stats", "apply": "_apply", "grad": "_partial_grad", "grad_input": "_grad_input"}
