@@ -27,8 +27,10 @@ CUDA = torch.cuda.is_available()
 LAYERS = [(2, 5, 3, 3), (3, 70, 5, 4), (2, 130, 1, 2), (4, 3, 16, 16), (2, 64, 16, 16)]
 
 
-def _reference(x, bn, residual, relu) -> tuple:
+def _reference(x, bn, residual, relu, residual_bn=None) -> tuple:
     """(the output, the value the ReLU sees)."""
+    if residual_bn is not None:
+        residual = residual_bn(residual)
     out = bn(x)
     if residual is not None:
         out = out + residual
@@ -54,28 +56,34 @@ def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=
 def _compare_layers(fusedbn, device: str, dtypes) -> list:
     g = torch.Generator().manual_seed(0)
     # every layer with and without the residual and the ReLU; then, after all of those (so their data
-    # stay as they were), every layer's output forked: two gradients, which the backward adds itself
-    cases = [(name, shape, residual_on, relu, False) for name in dtypes for shape in LAYERS
+    # stay as they were), every layer's output forked: two gradients, which the backward adds itself;
+    # then the residual as a shortcut BatchNorm's raw input, which the add normalises (forked or not)
+    cases = [(name, shape, residual_on, relu, False, False) for name in dtypes for shape in LAYERS
              for residual_on, relu in ((False, True), (True, True), (False, False))]
-    cases += [(name, shape, True, True, True) for name in dtypes for shape in LAYERS]
+    cases += [(name, shape, True, True, True, False) for name in dtypes for shape in LAYERS]
+    cases += [(name, shape, True, True, fork, True) for name in dtypes for shape in LAYERS[:-1] for fork in (False, True)]
     rows = []
-    for name, (n, c, h, w), residual_on, relu, fork in cases:
+    for name, (n, c, h, w), residual_on, relu, fork, shortcut_bn in cases:
         dtype = getattr(torch, name)
         a, b = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
+        ra_bn, rb_bn = nn.BatchNorm2d(c).to(device), nn.BatchNorm2d(c).to(device, torch.float64)
         with torch.no_grad():
             # drawn on the CPU (the generator's device) and copied, so a GPU run tests the same values
-            a.weight.copy_(torch.empty(c).uniform_(0.5, 1.5, generator=g))
-            a.bias.copy_(torch.empty(c).uniform_(-0.5, 0.5, generator=g))
+            for bn in (a, ra_bn) if shortcut_bn else (a,):
+                bn.weight.copy_(torch.empty(c).uniform_(0.5, 1.5, generator=g))
+                bn.bias.copy_(torch.empty(c).uniform_(-0.5, 0.5, generator=g))
         b.load_state_dict(a.state_dict())
+        rb_bn.load_state_dict(ra_bn.state_dict())
         offsets = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) * 1.5  # per image
         x = (torch.randn(n, c, h, w, generator=g) * 2 + 1 + offsets).to(device, dtype)
         x = x.contiguous(memory_format=torch.channels_last)
-        r = torch.randn(n, c, h, w, generator=g).to(device, dtype).contiguous(memory_format=torch.channels_last)
+        r = (torch.randn(n, c, h, w, generator=g) * (2 if shortcut_bn else 1) - (1 if shortcut_bn else 0)).to(
+            device, dtype).contiguous(memory_format=torch.channels_last)
         xa, xb = x.clone().requires_grad_(True), x.double().requires_grad_(True)
         ra = r.clone().requires_grad_(True) if residual_on else None
         rb = r.double().requires_grad_(True) if residual_on else None
-        ya = fusedbn.bn_act(xa, a, ra, relu, fork=fork)
-        yb, zb = _reference(xb, b, rb, relu)
+        ya = fusedbn.bn_act(xa, a, ra, relu, fork=fork, residual_bn=(ra_bn, None) if shortcut_bn else None)
+        yb, zb = _reference(xb, b, rb, relu, rb_bn if shortcut_bn else None)
         grad = torch.randn(yb.shape, generator=g).to(device, dtype)
         if fork:
             grad2 = torch.randn(yb.shape, generator=g).to(device, dtype)
@@ -91,13 +99,18 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
                  (a.running_mean, b.running_mean), (a.running_var, b.running_var)]
         if residual_on:
             pairs.append((ra.grad, rb.grad))
+        if shortcut_bn:
+            pairs += [(ra_bn.weight.grad, rb_bn.weight.grad), (ra_bn.bias.grad, rb_bn.bias.grad),
+                      (ra_bn.running_mean, rb_bn.running_mean), (ra_bn.running_var, rb_bn.running_var)]
         err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
         parts = fusedbn._layout(n * h * w, c, torch.device(device))[3]
-        rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu} fork={fork}",
+        rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu} fork={fork} "
+                             f"shortcut_bn={shortcut_bn}",
                      "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
                      "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
                      "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
-                     "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked),
+                     "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked)
+                     and int(ra_bn.num_batches_tracked) == int(rb_bn.num_batches_tracked),
                      "layout": same and ya.is_contiguous(memory_format=torch.channels_last)
                      and xa.grad.is_contiguous(memory_format=torch.channels_last)})
     return rows
@@ -295,12 +308,17 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
             "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
             "bn_backwards": count.calls, "two_gradients": count.forked,
             "layers": sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
+            "shortcuts": sum(m.downsample is not None for layer in (model.layer1, model.layer2, model.layer3,
+                                                                    model.layer4) for m in layer),
             "blocks": sum(len(layer) for layer in (model.layer1, model.layer2, model.layer3, model.layer4))}
 
 
 def _check_two_gradients(r: dict) -> None:
-    """Every pass that ran the backward's Python handed each block's output but the last its two gradients apart."""
-    assert r["two_gradients"] > 0 and r["two_gradients"] * r["layers"] == r["bn_backwards"] * (r["blocks"] - 1), r
+    """Every pass that ran the backward's Python handed each block's output but the last its two
+    gradients apart; a shortcut's BatchNorm has no backward of its own (the residual add's makes
+    its gradient), so a pass runs one BatchNorm backward per layer but those."""
+    per_pass = r["layers"] - r["shortcuts"]
+    assert r["two_gradients"] > 0 and r["two_gradients"] * per_pass == r["bn_backwards"] * (r["blocks"] - 1), r
 
 
 def _counting(calls: list):

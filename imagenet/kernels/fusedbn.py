@@ -4,8 +4,8 @@ In a ResNet step BatchNorm, the ReLU, the residual add and their gradients are s
 over the activations in memory (their time per step: docs/BENCHMARKS.md). Fused, a layer costs
 the passes its arithmetic needs: forward, one for the per-channel statistics (tile sums combined
 in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU;
-backward, one for the two per-channel sums and one that writes the input's (and the residual's)
-gradient. A block's output, read by the next block's convolution and shortcut, is forked
+backward, one for the two per-channel sums (which also writes the residual's gradient) and one
+that writes the input's gradient. A block's output, read by the next block's convolution and shortcut, is forked
 (:class:`_ForkedBnAct`) so both backward passes load its two gradients instead of autograd
 summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
 passes); it is then the float32 sum's mask, which differs from torch's only for outputs that
@@ -13,7 +13,10 @@ round to zero in fp16. With one, the forward writes the mask as bits (read off t
 output, as torch's backward reads it; a sixteenth of an fp16 pass instead of reading the output
 back twice), and the gradient-sums pass writes the masked gradient, which is the residual's
 gradient, so the input-gradient pass reads that one tensor instead of both gradients and the
-mask. Arithmetic is float32; outputs are rounded once; running statistics follow torch's rule.
+mask. A block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads
+the shortcut convolution's raw output (:class:`Shortcut`): its normalised tensor is never
+written, and its gradient sums come out of the add's own gradient-sums pass. Arithmetic is
+float32; outputs are rounded once; running statistics follow torch's rule.
 
 With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
 output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
@@ -29,7 +32,7 @@ module, parameter and buffer name, so state dicts are torchvision's.
 import json
 import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -212,9 +215,9 @@ if triton is not None:
         return mean, invstd, scale, shift
 
     @triton.jit
-    def _apply(x_ptr, r_ptr, y_ptr, bits_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C, NW,
-               HAS_RES: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+    def _apply(x_ptr, r_ptr, y_ptr, bits_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, rmean_ptr, rinvstd_ptr, rw_ptr,
+               rb_ptr, M, C, NW, HAS_RES: tl.constexpr, RES_BN: tl.constexpr, RELU: tl.constexpr,
+               BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
@@ -223,7 +226,11 @@ if triton is not None:
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
         if HAS_RES:
-            z += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            res = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if RES_BN:  # the shortcut's BatchNorm, applied as its raw input is loaded
+                _, _, rscale, rshift = _affine(rmean_ptr, rinvstd_ptr, rw_ptr, rb_ptr, c, c_ok)
+                res = res * rscale[None, :] + rshift[None, :]
+            z += res
         if RELU:
             z = tl.where(z < 0, 0.0, z)  # torch's ReLU: NaN stays NaN
         y = z.to(y_ptr.dtype.element_ty)
@@ -270,17 +277,22 @@ if triton is not None:
         return g
 
     @triton.jit
-    def _partial_grad(dy_ptr, dy2_ptr, bits_ptr, x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, psg_ptr, psgx_ptr,
-                      M, C, ROWS, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, KEEP_G: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, STAGES: tl.constexpr):
+    def _partial_grad(dy_ptr, dy2_ptr, bits_ptr, x_ptr, g_ptr, r_ptr, rmean_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr,
+                      psg_ptr, psgx_ptr, psgr_ptr, M, C, ROWS, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr,
+                      KEEP_G: tl.constexpr, RES_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                      WORD: tl.constexpr, STAGES: tl.constexpr):
         # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked
         # gradient; with KEEP_G, g itself is written too (the residual's gradient, which the
-        # input-gradient pass then reads in place of the incoming gradients and the mask).
+        # input-gradient pass then reads in place of the incoming gradients and the mask); with
+        # RES_BN, also the sum of g * (r - the shortcut BatchNorm's mean), r its raw input: that
+        # BatchNorm's own gradient sums (its sum of g is this one's).
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
         sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
         sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        sgr = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
+        rmean = tl.load(rmean_ptr + c, mask=c_ok, other=0.0)  # (the mean's own pointer without RES_BN)
         first = tl.program_id(0) * ROWS
         for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
             r = first + start + tl.arange(0, BLOCK_M)
@@ -293,9 +305,14 @@ if triton is not None:
                 tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
             sg += g
             sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
+            if RES_BN:
+                rr = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                sgr += tl.where(mask, g * (rr - rmean[None, :]), 0.0)
         out = tl.program_id(0) * C + c
         tl.store(psg_ptr + out, tl.sum(sg, 0), mask=c_ok)
         tl.store(psgx_ptr + out, tl.sum(sgx, 0), mask=c_ok)
+        if RES_BN:
+            tl.store(psgr_ptr + out, tl.sum(sgr, 0), mask=c_ok)
 
     @triton.jit
     def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P,
@@ -382,6 +399,15 @@ def mask_bits(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((n * h * w, -(-c // _word(c))), dtype=torch.int32)
 
 
+class Shortcut(NamedTuple):
+    """A block's shortcut BatchNorm (the downsample's) that the residual add applies itself: its
+    parameters and the batch's statistics of its raw input."""
+    weight: torch.Tensor
+    bias: torch.Tensor
+    mean: torch.Tensor
+    invstd: torch.Tensor
+
+
 def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
     """For a per-channel reduction over a channels_last ``x``: (rows M, channels C, its
     :func:`_layout`, two float32 [partials, C] buffers for the partial results, two [C] ones)."""
@@ -408,10 +434,11 @@ def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.T
 
 
 def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
-              weight: torch.Tensor, bias: torch.Tensor, relu: bool) -> tuple:
+              weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional["Shortcut"] = None) -> tuple:
     """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
     the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
-    alone no longer tells), else an empty tensor)."""
+    alone no longer tells), else an empty tensor). With ``shortcut``, ``residual`` is the raw
+    input of that BatchNorm, normalised here as it is loaded (never written normalised)."""
     n, c, h, w = x.shape
     m = n * h * w
     launch = LAUNCH["apply"]
@@ -419,36 +446,51 @@ def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Ten
     y = torch.empty_like(x, memory_format=torch.channels_last)
     with_bits = _mask_kind(relu, residual is not None) == MASK_FROM_BITS
     bits = mask_bits(x) if with_bits else x.new_empty(0, dtype=torch.int32)
+    sc = shortcut or Shortcut(weight, bias, mean, invstd)  # unread without a shortcut BatchNorm
     xs = _rows(x)
     _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
         xs, _rows(residual) if residual is not None else xs, _rows(y), bits if with_bits else xs, mean, invstd,
-        weight, bias, m, c, bits.shape[-1] if with_bits else 0, HAS_RES=residual is not None, RELU=relu,
-        BITS=with_bits, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
+        weight, bias, sc.mean, sc.invstd, sc.weight, sc.bias, m, c, bits.shape[-1] if with_bits else 0,
+        HAS_RES=residual is not None, RES_BN=shortcut is not None, RELU=relu, BITS=with_bits, BLOCK_M=block_m,
+        BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
     return y, bits
 
 
 def gradient_sums(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
                   invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
-                  dy2: Optional[torch.Tensor] = None, keep_g: bool = False) -> tuple:
+                  dy2: Optional[torch.Tensor] = None, keep_g: bool = False,
+                  shortcut: Optional[tuple] = None) -> tuple:
     """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy`` (plus
     ``dy2``, a forked output's second gradient; the mask from ``bits`` or ``x`` as ``mask``
-    says); the weight's and bias's gradients; and with ``keep_g``, g itself in ``x``'s dtype
-    (else an empty tensor)."""
+    says); the weight's and bias's gradients; with ``keep_g``, g itself in ``x``'s dtype (else an
+    empty tensor); and with ``shortcut`` = (its raw input r, its :class:`Shortcut`), that
+    BatchNorm's (sum of g * (r - its mean), weight gradient, bias gradient) from the same pass
+    (else None)."""
     launch = LAUNCH["grad"]
     m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
     dw, db = torch.empty_like(weight), torch.empty_like(bias)
     g = torch.empty_like(x, memory_format=torch.channels_last) if keep_g else x.new_empty(0)
+    psgr = torch.empty_like(psgx) if shortcut is not None else psgx
     xs = _rows(x)
     dys = _rows(dy)
     _partial_grad[(parts, triton.cdiv(c, block_c))](
         dys, _rows(dy2) if dy2 is not None else dys, bits if mask == MASK_FROM_BITS else xs, xs,
-        _rows(g) if keep_g else xs, mean, invstd, weight, bias, psg, psgx, m, c, rows,
+        _rows(g) if keep_g else xs, _rows(shortcut[0]) if shortcut is not None else xs,
+        shortcut[1].mean if shortcut is not None else mean, mean, invstd, weight, bias, psg, psgx, psgr, m, c, rows,
         bits.shape[-1] if mask == MASK_FROM_BITS else 0, TWO_GRADS=dy2 is not None, MASK=mask, KEEP_G=keep_g,
-        BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), STAGES=launch.stages, num_warps=launch.warps)
+        RES_BN=shortcut is not None, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), STAGES=launch.stages,
+        num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
     _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
                                               BLOCK_P=FINISH_P, BLOCK_C=finish_c)
-    return sg, sgx, dw, db, g
+    sums_r = None
+    if shortcut is not None:
+        sc = shortcut[1]
+        sgr, dw_r, db_r = torch.empty_like(sgx), torch.empty_like(sc.weight), torch.empty_like(sc.bias)
+        _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgr, sc.invstd, torch.empty_like(sg), sgr, dw_r, db_r, c,
+                                                  parts, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+        sums_r = (sgr, dw_r, db_r)
+    return sg, sgx, dw, db, g, sums_r
 
 
 def input_gradients(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
@@ -508,16 +550,24 @@ def _(sums, squares, count, running_mean, running_var, momentum, eps):
     return torch.empty_like(sums), torch.empty_like(sums)
 
 
+def _shortcut_of(res_weight, res_bias, res_mean, res_invstd) -> Optional[Shortcut]:
+    return Shortcut(res_weight, res_bias, res_mean, res_invstd) if res_mean is not None else None
+
+
 @torch.library.custom_op("imagenet::bn_act", mutates_args=())
 def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
-              mean: torch.Tensor, invstd: torch.Tensor, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              mean: torch.Tensor, invstd: torch.Tensor, relu: bool, res_weight: Optional[torch.Tensor],
+              res_bias: Optional[torch.Tensor], res_mean: Optional[torch.Tensor],
+              res_invstd: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`,
-    the ReLU's mask bits for the backward or an empty tensor: :func:`normalise`)."""
-    return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu)
+    the ReLU's mask bits for the backward or an empty tensor: :func:`normalise`); with the
+    ``res_*`` tensors, ``residual`` is the raw input of that shortcut BatchNorm (:class:`Shortcut`)."""
+    return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu,
+                     _shortcut_of(res_weight, res_bias, res_mean, res_invstd))
 
 
 @bn_act_op.register_fake
-def _(x, weight, bias, residual, mean, invstd, relu):
+def _(x, weight, bias, residual, mean, invstd, relu, res_weight, res_bias, res_mean, res_invstd):
     y = torch.empty_like(x, memory_format=torch.channels_last)
     if _mask_kind(relu, residual is not None) == MASK_FROM_BITS:
         return y, mask_bits(x)
@@ -527,46 +577,68 @@ def _(x, weight, bias, residual, mean, invstd, relu):
 @torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
 def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tensor, bits: Optional[torch.Tensor],
                     mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
-                    has_res: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias, dresidual or an empty tensor) of :func:`bn_act_op`, the output's
-    gradient ``dy`` plus ``dy2`` where it was forked (:class:`_ForkedBnAct`). With a residual,
-    the gradient-sums pass writes the masked gradient (the residual's gradient) as it goes, and
-    the input-gradient pass reads that one tensor instead of both gradients and the mask."""
+                    has_res: bool, residual: Optional[torch.Tensor], res_weight: Optional[torch.Tensor],
+                    res_bias: Optional[torch.Tensor], res_mean: Optional[torch.Tensor],
+                    res_invstd: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias, dresidual or an empty tensor, and the shortcut BatchNorm's dweight and
+    dbias or empty tensors) of :func:`bn_act_op`, the output's gradient ``dy`` plus ``dy2``
+    where it was forked (:class:`_ForkedBnAct`). With a residual, the gradient-sums pass writes
+    the masked gradient (the residual's gradient), and the input-gradient pass reads that one
+    tensor instead of both gradients and the mask; with a shortcut BatchNorm, that pass also
+    makes its gradient sums, and one more pass its input's gradient."""
     dy, x = _cl(dy), _cl(x)
     dy2 = _cl(dy2) if dy2 is not None else None
-    sg, sgx, dw, db, dr = gradient_sums(dy, x, bits, mean, invstd, weight, bias, mask, dy2, keep_g=has_res)
+    sc = _shortcut_of(res_weight, res_bias, res_mean, res_invstd)
+    raw = _cl(residual) if sc is not None else None
+    sg, sgx, dw, db, g, sums_r = gradient_sums(dy, x, bits, mean, invstd, weight, bias, mask, dy2, keep_g=has_res,
+                                               shortcut=(raw, sc) if sc is not None else None)
     if has_res:
-        dx = input_gradients(dr, x, None, mean, invstd, weight, bias, sg, sgx, MASK_NONE)
+        dx = input_gradients(g, x, None, mean, invstd, weight, bias, sg, sgx, MASK_NONE)
     else:
         dx = input_gradients(dy, x, bits, mean, invstd, weight, bias, sg, sgx, mask, dy2)
-    return dx, dw, db, dr
+    if sc is None:
+        return dx, dw, db, g, x.new_empty(0), x.new_empty(0)
+    sgr, dw_r, db_r = sums_r
+    return dx, dw, db, input_gradients(g, raw, None, sc.mean, sc.invstd, sc.weight, sc.bias, sg, sgr, MASK_NONE), \
+        dw_r, db_r
 
 
 @bn_act_backward.register_fake
-def _(dy, dy2, x, bits, mean, invstd, weight, bias, mask, has_res):
+def _(dy, dy2, x, bits, mean, invstd, weight, bias, mask, has_res, residual, res_weight, res_bias, res_mean,
+      res_invstd):
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     dr = torch.empty_like(x, memory_format=torch.channels_last) if has_res else x.new_empty(0)
-    return dx, torch.empty_like(weight), torch.empty_like(bias), dr
+    if res_mean is None:
+        return dx, torch.empty_like(weight), torch.empty_like(bias), dr, x.new_empty(0), x.new_empty(0)
+    return dx, torch.empty_like(weight), torch.empty_like(bias), dr, torch.empty_like(res_weight), \
+        torch.empty_like(res_bias)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, mean, invstd, relu = inputs
+    x, weight, bias, residual, mean, invstd, relu, res_weight, res_bias, res_mean, res_invstd = inputs
     y, bits = output
     ctx.mask = _mask_kind(relu, residual is not None)
     ctx.has_res = residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
     # the mask's bits, not the output: y is read again only by the next layer (which keeps it
-    # for its own backward), and the backward reads a sixteenth of the bytes
-    ctx.save_for_backward(x, bits if ctx.mask == MASK_FROM_BITS else None, mean, invstd, weight, bias)
+    # for its own backward), and the backward reads a sixteenth of the bytes; the raw residual
+    # only where its shortcut BatchNorm's gradient is made here
+    shortcut = res_mean is not None
+    ctx.save_for_backward(x, bits if ctx.mask == MASK_FROM_BITS else None, mean, invstd, weight, bias,
+                          residual if shortcut else None, res_weight, res_bias, res_mean, res_invstd)
 
 
 def _backward_rule(ctx, dy, dy2=None):
     # the whole gradient of x, through the statistics too: mean and invstd get none
-    x, bits, mean, invstd, weight, bias = ctx.saved_tensors
-    dx, dw, db, dr = bn_act_backward(dy, dy2, x, bits, mean, invstd, weight, bias, ctx.mask, ctx.has_res)
+    x, bits, mean, invstd, weight, bias, raw, res_weight, res_bias, res_mean, res_invstd = ctx.saved_tensors
+    dx, dw, db, dr, dw_r, db_r = bn_act_backward(dy, dy2, x, bits, mean, invstd, weight, bias, ctx.mask, ctx.has_res,
+                                                 raw, res_weight, res_bias, res_mean, res_invstd)
     if ctx.has_res and dr.dtype != ctx.residual_dtype:
         dr = dr.to(ctx.residual_dtype)
-    return dx, dw, db, (dr if ctx.has_res else None), None, None, None
+    shortcut = res_mean is not None
+    return (dx, dw, db, (dr if ctx.has_res else None), None, None, None, dw_r if shortcut else None,
+            db_r if shortcut else None, None, None)
 
 
 def _op_backward(ctx, dy, _dbits):
@@ -588,9 +660,9 @@ class _ForkedBnAct(torch.autograd.Function):
     never do."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, mean, invstd, relu):
-        y, bits = bn_act_op(x, weight, bias, residual, mean, invstd, relu)
-        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu), (y, bits))
+    def forward(ctx, *inputs):
+        y, bits = bn_act_op(*inputs)
+        _setup_context(ctx, inputs, (y, bits))
         return y, y.view_as(y)
 
     @staticmethod
@@ -598,38 +670,64 @@ class _ForkedBnAct(torch.autograd.Function):
         return _backward_rule(ctx, dy, dy2)
 
 
+def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> tuple:
+    """The batch's (mean, 1/std) of ``x`` for ``bn``, from a pass of their own or from ``sums``;
+    the running statistics and the batch count updated as nn.BatchNorm2d does."""
+    bn.num_batches_tracked.add_(1)  # only a None momentum would read it
+    if sums is None:
+        return bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    return bn_stats_from_sums_op(sums[0], sums[1], x.shape[0] * x.shape[2] * x.shape[3], bn.running_mean,
+                                 bn.running_var, float(bn.momentum), float(bn.eps))
+
+
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
-           relu: bool = True, fork: bool = False, sums: Optional[tuple] = None):
+           relu: bool = True, fork: bool = False, sums: Optional[tuple] = None,
+           residual_bn: Optional[tuple] = None):
     """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`;
     with ``fork``, as a pair (for the next block's convolution, for its shortcut) whose two
     gradients the backward adds itself (:class:`_ForkedBnAct`); ``sums``: ``x``'s per-channel
-    (sum, sum of squares), made by the convolution that made ``x`` (:func:`conv_bn_act`)."""
-    if not takes(x, bn) or (residual is not None and residual.dtype != x.dtype):  # torch would promote
+    (sum, sum of squares), made by the convolution that made ``x`` (:func:`conv_bn_act`).
+    ``residual_bn``: (the shortcut's BatchNorm, ``residual``'s sums or None) where ``residual``
+    is that BatchNorm's raw input: the add normalises it as it loads it where both BatchNorms
+    are fused (its normalised tensor is never written), else it is normalised first."""
+    fused = takes(x, bn) and (residual is None or residual.dtype == x.dtype)  # torch would promote
+    if residual_bn is not None and not (fused and takes(residual, residual_bn[0])):
+        residual = bn_act(residual, residual_bn[0], relu=False, sums=residual_bn[1])
+        residual_bn = None
+        fused = fused and residual.dtype == x.dtype
+    if not fused:
         out = bn(x)
         if residual is not None:
             out = out + residual
         out = F.relu(out) if relu else out
         return (out, out) if fork else out
-    bn.num_batches_tracked.add_(1)  # as nn.BatchNorm2d does; only a None momentum would read it
-    if sums is None:
-        mean, invstd = bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
-    else:
-        mean, invstd = bn_stats_from_sums_op(sums[0], sums[1], x.shape[0] * x.shape[2] * x.shape[3],
-                                             bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+    mean, invstd = _statistics(x, bn, sums)
+    shortcut = (None, None, None, None)
+    if residual_bn is not None:
+        rbn = residual_bn[0]
+        shortcut = (rbn.weight, rbn.bias, *_statistics(residual, rbn, residual_bn[1]))
+    inputs = (x, bn.weight, bn.bias, residual, mean, invstd, relu, *shortcut)
     if fork:
-        return _ForkedBnAct.apply(x, bn.weight, bn.bias, residual, mean, invstd, relu)
-    return bn_act_op(x, bn.weight, bn.bias, residual, mean, invstd, relu)[0]
+        return _ForkedBnAct.apply(*inputs)
+    return bn_act_op(*inputs)[0]
 
 
 def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
-                relu: bool = True, fork: bool = False, stats_in_conv: bool = False):
+                relu: bool = True, fork: bool = False, stats_in_conv: bool = False,
+                residual_bn: Optional[tuple] = None):
     """:func:`bn_act` of ``conv(x)``; with ``stats_in_conv``, where the BatchNorm is fused and the
     convolution :func:`convstats.applies`, its statistics come from the convolution's epilogue
     (``--bn-kernel cudnn``) instead of a pass of their own over its output."""
+    y, sums = _conv(x, conv, bn, stats_in_conv)
+    return bn_act(y, bn, residual, relu, fork, sums=sums, residual_bn=residual_bn)
+
+
+def _conv(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, stats_in_conv: bool) -> tuple:
+    """(``conv(x)``, its per-channel (sum, sum of squares) where the convolution makes them, else None)."""
     if stats_in_conv and bn.training and convstats.applies(x, conv):
         y, sums, squares = convstats.conv_stats(x, conv)
-        return bn_act(y, bn, residual, relu, fork, sums=(sums, squares))
-    return bn_act(conv(x), bn, residual, relu, fork)
+        return y, (sums, squares)
+    return conv(x), None
 
 
 def _block_input(x) -> tuple:
@@ -637,13 +735,17 @@ def _block_input(x) -> tuple:
     return x if isinstance(x, tuple) else (x, x)
 
 
-def _downsample(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _residual(block: nn.Module, x: torch.Tensor) -> tuple:
+    """A block's residual for :func:`bn_act`: (the tensor to add, None), or where the shortcut is a
+    convolution and a BatchNorm, (the convolution's raw output, (the BatchNorm, the output's sums
+    or None)), which the residual add normalises itself."""
     ds = block.downsample
     if ds is None:
-        return x
+        return x, None
     if isinstance(ds, nn.Sequential) and len(ds) == 2 and isinstance(ds[1], nn.BatchNorm2d):
-        return conv_bn_act(x, ds[0], ds[1], relu=False, stats_in_conv=block.stats_in_conv)
-    return ds(x)
+        y, sums = _conv(x, ds[0], ds[1], block.stats_in_conv)
+        return y, (ds[1], sums)
+    return ds(x), None
 
 
 class FusedBasicBlock(BasicBlock):
@@ -657,8 +759,9 @@ class FusedBasicBlock(BasicBlock):
     def forward(self, x):
         x, shortcut = _block_input(x)
         out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=self.stats_in_conv)
-        return conv_bn_act(out, self.conv2, self.bn2, residual=_downsample(self, shortcut), fork=self.fork_output,
-                           stats_in_conv=self.stats_in_conv)
+        residual, residual_bn = _residual(self, shortcut)
+        return conv_bn_act(out, self.conv2, self.bn2, residual=residual, residual_bn=residual_bn,
+                           fork=self.fork_output, stats_in_conv=self.stats_in_conv)
 
 
 class FusedBottleneck(Bottleneck):
@@ -673,8 +776,9 @@ class FusedBottleneck(Bottleneck):
         stats = self.stats_in_conv
         out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=stats)
         out = conv_bn_act(out, self.conv2, self.bn2, stats_in_conv=stats)
-        return conv_bn_act(out, self.conv3, self.bn3, residual=_downsample(self, shortcut), fork=self.fork_output,
-                           stats_in_conv=stats)
+        residual, residual_bn = _residual(self, shortcut)
+        return conv_bn_act(out, self.conv3, self.bn3, residual=residual, residual_bn=residual_bn,
+                           fork=self.fork_output, stats_in_conv=stats)
 
 
 class FusedResNet(ResNet):
