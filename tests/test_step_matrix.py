@@ -134,8 +134,11 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     layers = sweep.resnet50_layers(2)
     assert len(layers) == 53
     forked = [layer for layer in layers if layer[6]]
-    assert len(forked) == 15 and all(relu and res for _, _, _, _, relu, res, _ in forked)
+    assert len(forked) == 15 and all(relu and res for _, _, _, _, relu, res, _, _ in forked)
     assert not layers[-1][6] and layers[-1][5]  # the last block's output feeds the pooling alone
+    # each stage's first block: its residual add applies the downsample's BatchNorm, which follows it
+    applies = [i for i, layer in enumerate(layers) if layer[7] == "applies"]
+    assert len(applies) == 4 and all(layers[i + 1][7] == "folded" and not layers[i + 1][4] for i in applies)
     x = torch.empty(2, 8, 4, 4)
     one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_BITS}
     two = dict(one, dy2=x)
@@ -145,3 +148,8 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     plain = {"x": x, "r": None, "dy2": None, "mask": fusedbn.MASK_FROM_INPUT}
     assert sweep.phase_bytes("grad_input", plain) == 3 * x.numel() * 2
     assert sweep.phase_bytes("apply", one) == (3 * x.numel() * 2) + x.numel() * 2 // 16  # the mask's bits
+    raw = dict(one, shortcut="applies")  # the gradient sums read the shortcut's raw input as well
+    assert sweep.phase_bytes("grad", raw) - sweep.phase_bytes("grad", one) == x.numel() * 2
+    folded = dict(plain, shortcut="folded")
+    assert sweep.phase_bytes("apply", folded) == sweep.phase_bytes("grad", folded) == 0
+    assert sweep.phase_call("apply", folded) is None and sweep.phase_call("grad", folded) is None

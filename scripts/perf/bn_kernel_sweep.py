@@ -38,9 +38,12 @@ POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), 
 
 
 def resnet50_layers(batch: int) -> list:
-    """(N, C, H, W, relu, residual, forked) of every BatchNorm of a ResNet-50 step at 224 px, in
-    order; forked: the backward takes two gradients (a block's last BatchNorm whose output
-    fusedbn.fuse_resnet forks). The fused model runs torch's modules here (no kernels on the CPU)."""
+    """(N, C, H, W, relu, residual, forked, shortcut) of every BatchNorm of a ResNet-50 step at 224
+    px, in order; forked: the backward takes two gradients (a block's last BatchNorm whose output
+    fusedbn.fuse_resnet forks); shortcut: "applies" for a block's last BatchNorm whose residual
+    add applies the downsample's BatchNorm, "folded" for that BatchNorm (its normalise and
+    gradient sums are the add's; its input gradient is its own pass), else "". The fused model
+    runs torch's modules here (no kernels on the CPU)."""
     model = fusedbn.fuse_resnet(torchvision.models.resnet50())
     shapes = {}
 
@@ -50,18 +53,19 @@ def resnet50_layers(batch: int) -> list:
         bn.register_forward_hook(record)
     with torch.no_grad():
         model(torch.randn(1, 3, 224, 224))
-    roles = {model.bn1: (True, False, False)}
+    roles = {model.bn1: (True, False, False, "")}
     for block in (m for m in model.modules() if isinstance(m, Bottleneck)):
-        roles.update({block.bn1: (True, False, False), block.bn2: (True, False, False),
-                      block.bn3: (True, True, block.fork_output)})
-        if block.downsample is not None:
-            roles[block.downsample[1]] = (False, False, False)
+        shortcut = block.downsample is not None
+        roles.update({block.bn1: (True, False, False, ""), block.bn2: (True, False, False, ""),
+                      block.bn3: (True, True, block.fork_output, "applies" if shortcut else "")})
+        if shortcut:
+            roles[block.downsample[1]] = (False, False, False, "folded")
     return [(batch, *shapes[bn], *roles[bn]) for bn in roles]
 
 
 def make_tensors(layers: list, device) -> list:
     out = []
-    for n, c, h, w, relu, res, forked in layers:
+    for n, c, h, w, relu, res, forked, shortcut in layers:
         def act():
             return torch.randn(n, c, h, w, device=device, dtype=torch.float16).contiguous(
                 memory_format=torch.channels_last)
@@ -70,24 +74,35 @@ def make_tensors(layers: list, device) -> list:
              "rm": torch.zeros(c, device=device), "rv": torch.ones(c, device=device)}
         t["mean"], t["invstd"] = fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
         t["mask"] = fusedbn._mask_kind(relu, res)
-        t["y"], t["bits"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu)
+        t["shortcut"] = shortcut
+        t["sc"] = None
+        if shortcut == "applies":  # the residual is the raw input of the downsample's BatchNorm
+            rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+            t["sc"] = fusedbn.Shortcut(torch.rand(c, device=device) + 0.5, torch.randn(c, device=device) * 0.1,
+                                       *fusedbn.statistics(t["r"], rm, rv, 0.1, 1e-5))
+        t["y"], t["bits"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu, t["sc"])
         t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
-                                          t["mask"], t["dy2"], keep_g=res)
+                                          t["mask"], t["dy2"], keep_g=res,
+                                          shortcut=(t["r"], t["sc"]) if t["sc"] is not None else None)
         out.append(t)
     return out
 
 
 def phase_call(phase: str, t: dict):
-    """The phase's call as the fused model makes it: with a residual, the gradient sums write the
-    masked gradient and the input gradients read it alone."""
+    """The phase's call as the fused model makes it (None where it has none: a folded shortcut
+    BatchNorm's normalise and gradient sums): with a residual, the gradient sums write the masked
+    gradient and the input gradients read it alone."""
     res = t["r"] is not None
+    if t["shortcut"] == "folded" and phase in ("apply", "grad"):
+        return None
+    sc = (t["r"], t["sc"]) if t["sc"] is not None else None
     if phase == "stats":
         return lambda: fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
     if phase == "apply":
-        return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"])
+        return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"], t["sc"])
     if phase == "grad":
         return lambda: fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
-                                             t["mask"], t["dy2"], keep_g=res)
+                                             t["mask"], t["dy2"], keep_g=res, shortcut=sc)
     sg, sgx, g = t["sums"][0], t["sums"][1], t["sums"][4]
     if res:
         return lambda: fusedbn.input_gradients(g, t["x"], None, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
@@ -99,10 +114,13 @@ def phase_call(phase: str, t: dict):
 def phase_bytes(phase: str, t: dict) -> int:
     """Bytes the phase must move for one layer (2 a value: fp16 activations; the ReLU's mask bits,
     written by the normalise pass and read by the gradient sums, a sixteenth of that)."""
+    if t.get("shortcut") == "folded" and phase in ("apply", "grad"):
+        return 0  # the residual add's passes do it
     two = t["dy2"] is not None  # a forked output's second gradient, read by the gradient sums
     res = t["r"] is not None  # the gradient sums write the masked gradient; the input gradients read it alone
     bits = t["mask"] == fusedbn.MASK_FROM_BITS
-    sixteenths = {"stats": 16, "apply": 16 * (2 + res) + bits, "grad": 16 * (2 + two + res) + bits,
+    raw = t.get("shortcut") == "applies"  # the gradient sums read the shortcut's raw input too
+    sixteenths = {"stats": 16, "apply": 16 * (2 + res) + bits, "grad": 16 * (2 + two + res + raw) + bits,
                   "grad_input": 16 * 3 if res else 16 * (3 + two) + bits}[phase]
     return sixteenths * t["x"].numel() * 2 // 16
 
@@ -206,7 +224,7 @@ def main(argv=None) -> int:
         # the shipped settings always get a row: the table and the totals compare against them
         for launch in candidates + ([shipped] if shipped not in candidates else []):
             fusedbn.LAUNCH[phase] = launch
-            ms = time_phase([phase_call(phase, t) for t in tensors], args.repeats)
+            ms = time_phase([call for call in (phase_call(phase, t) for t in tensors) if call], args.repeats)
             regs, spills, shared = resources(phase, launch, known, seen)
             rows.append({"phase": phase, "tile": launch.tile, "warps": launch.warps,
                          "programs_per_sm": launch.programs_per_sm, "stages": launch.stages, "ms": ms,
