@@ -85,16 +85,17 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
         ya = fusedbn.bn_act(xa, a, ra, relu, fork=fork, residual_bn=(ra_bn, None) if shortcut_bn else None)
         yb, zb = _reference(xb, b, rb, relu, rb_bn if shortcut_bn else None)
         grad = torch.randn(yb.shape, generator=g).to(device, dtype)
-        if fork:
-            grad2 = torch.randn(yb.shape, generator=g).to(device, dtype)
-            same = ya[0].data_ptr() == ya[1].data_ptr()  # one tensor twice, not a copy
-            torch.autograd.backward(ya, (grad, grad2))
-            yb.backward(grad.double() + grad2.double())
-            ya = ya[0]
-        else:
-            same = True
-            ya.backward(grad)
-            yb.backward(grad.double())
+        with _TwoGradientCount(fusedbn) as count:  # one backward pass, the shortcut's BatchNorm's inside it
+            if fork:
+                grad2 = torch.randn(yb.shape, generator=g).to(device, dtype)
+                same = ya[0].data_ptr() == ya[1].data_ptr()  # one tensor twice, not a copy
+                torch.autograd.backward(ya, (grad, grad2))
+                yb.backward(grad.double() + grad2.double())
+                ya = ya[0]
+            else:
+                same = True
+                ya.backward(grad)
+                yb.backward(grad.double())
         pairs = [(ya, yb), (xa.grad, xb.grad), (a.weight.grad, b.weight.grad), (a.bias.grad, b.bias.grad),
                  (a.running_mean, b.running_mean), (a.running_var, b.running_var)]
         if residual_on:
@@ -107,12 +108,35 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
         rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu} fork={fork} "
                              f"shortcut_bn={shortcut_bn}",
                      "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
-                     "kernel": fusedbn.takes(x, a), "dtype": name, "err": err,
+                     "kernel": fusedbn.takes(x, a) and (not shortcut_bn or fusedbn.takes(r, ra_bn)),
+                     "backwards": count.calls, "dtype": name, "err": err,
                      "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
                      "tracked": int(a.num_batches_tracked) == int(b.num_batches_tracked)
                      and int(ra_bn.num_batches_tracked) == int(rb_bn.num_batches_tracked),
                      "layout": same and ya.is_contiguous(memory_format=torch.channels_last)
                      and xa.grad.is_contiguous(memory_format=torch.channels_last)})
+    return rows
+
+
+def mask_bits_against_outputs(device: str = "cpu") -> list:
+    """For channel counts within one word, across two, two full ones and past a 128-channel
+    program block (3, 33, 64, 130): the ReLU mask bits normalise writes, decoded as the format
+    says (channel c is bit c % W of word c // W of its row, W = 32 or the channel block where
+    narrower), against the output's own mask (passes where not <= 0): mismatches, words a row,
+    bits set, and whether a word's sign bit (bit 31) was set."""
+    from imagenet.kernels import fusedbn
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for c in (3, 33, 64, 130):
+        x, r = (torch.randn(2, c, 3, 5, generator=g).to(device).contiguous(memory_format=torch.channels_last)
+                for _ in range(2))
+        mean, invstd = x.mean((0, 2, 3)), torch.rsqrt(x.var((0, 2, 3), unbiased=False) + 1e-5)
+        y, bits = fusedbn.normalise(x, r, mean, invstd, torch.ones(c, device=device), torch.zeros(c, device=device),
+                                    True)
+        word, ch = fusedbn._word(c), torch.arange(c, device=device)
+        decoded = (bits[:, ch // word] >> (ch % word)) & 1  # arithmetic shift, then & 1: bit 31 too
+        rows.append({"c": c, "words": bits.shape[1], "set": int(decoded.sum()), "sign_bit": bool((bits < 0).any()),
+                     "mismatches": int((decoded.bool() != ~(fusedbn._rows(y) <= 0)).sum())})
     return rows
 
 
@@ -128,7 +152,8 @@ def _check_layers(rows: list, several_parts: bool = True) -> None:
     assert not several_parts or any(r["finish_steps"] > 1 for r in rows), "no case combined tiles of partial results"
     near_zero = [r["case"] for r in rows if r["margin"] < MARGIN]
     assert not near_zero, f"the test's data put a ReLU input within rounding of zero: {near_zero}"
-    bad = [r for r in rows if not (r["kernel"] and r["tracked"] and r["layout"] and r["err"] <= TOLERANCE[r["dtype"]])]
+    bad = [r for r in rows if not (r["kernel"] and r["backwards"] == 1 and r["tracked"] and r["layout"]
+                                   and r["err"] <= TOLERANCE[r["dtype"]])]
     assert not bad, bad
 
 
@@ -244,6 +269,7 @@ def interpreter_runs(tmp_path_factory):
         try:
             runs["layers"] = _interpreted("print(json.dumps(t.compare_layers()))")
             runs["models"] = _interpreted("print(json.dumps(t.compare_models()))")
+            runs["bits"] = _interpreted("print(json.dumps(t.mask_bits_against_outputs()))")
             runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled()))")
             runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
             runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
@@ -256,6 +282,14 @@ def interpreter_runs(tmp_path_factory):
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
 def test_layers_match_torch_under_the_interpreter(interpreter_runs):
     _check_layers(interpreter_runs.json("layers"))
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
+def test_the_mask_bits_are_the_outputs_relu_mask_under_the_interpreter(interpreter_runs):
+    rows = interpreter_runs.json("bits")
+    assert [r["words"] for r in rows] == [1, 2, 2, 5]  # 4-bit words for 3 channels; 32-bit ones from 33 up
+    assert all(r["mismatches"] == 0 and r["set"] > 0 for r in rows), rows
+    assert any(r["sign_bit"] for r in rows), rows
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")

@@ -5,18 +5,18 @@ over the activations in memory (their time per step: docs/BENCHMARKS.md). Fused,
 the passes its arithmetic needs: forward, one for the per-channel statistics (tile sums combined
 in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU;
 backward, one for the two per-channel sums (which also writes the residual's gradient) and one
-that writes the input's gradient. A block's output, read by the next block's convolution and shortcut, is forked
-(:class:`_ForkedBnAct`) so both backward passes load its two gradients instead of autograd
-summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
+that writes the input's gradient. A block's output, read by the next block's convolution and
+shortcut, is forked (:class:`_ForkedBnAct`) so the gradient-sums pass loads its two gradients
+instead of autograd summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
 passes); it is then the float32 sum's mask, which differs from torch's only for outputs that
 round to zero in fp16. With one, the forward writes the mask as bits (read off the rounded
-output, as torch's backward reads it; a sixteenth of an fp16 pass instead of reading the output
-back twice), and the gradient-sums pass writes the masked gradient, which is the residual's
-gradient, so the input-gradient pass reads that one tensor instead of both gradients and the
-mask. A block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads
+output, as torch's backward reads it; a sixteenth of an fp16 pass from 32 channels up, instead
+of reading the output back twice), and the gradient-sums pass writes the masked gradient, which is the residual's
+gradient, so the input-gradient pass reads that one tensor (rounded to the activations' dtype,
+as torch's own gradient would be) instead of both gradients and the mask. A block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads
 the shortcut convolution's raw output (:class:`Shortcut`): its normalised tensor is never
 written, and its gradient sums come out of the add's own gradient-sums pass. Arithmetic is
-float32; outputs are rounded once; running statistics follow torch's rule.
+float32; each stored tensor is rounded once; running statistics follow torch's rule.
 
 With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
 output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
@@ -243,6 +243,7 @@ if triton is not None:
     def _store_bits(keep, bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
         # keep, [BLOCK_M, BLOCK_C] of 0/1 for this program's channel block, as WORD-bit words:
         # channel c is bit c % WORD of word c // WORD of its row ([M, NW] int32)
+        tl.static_assert(BLOCK_C % WORD == 0)  # a word never straddles two programs' channel blocks
         words = tl.sum(tl.reshape(keep, (BLOCK_M, BLOCK_C // WORD, WORD)) << tl.arange(0, WORD)[None, None, :], 2)
         w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
         tl.store(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], words.to(tl.int32),
@@ -251,6 +252,7 @@ if triton is not None:
     @triton.jit
     def _load_bits(bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
         # :func:`_store_bits`' words back as a [BLOCK_M, BLOCK_C] tile of 0/1
+        tl.static_assert(BLOCK_C % WORD == 0)
         w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
         words = tl.load(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], mask=(r < M)[:, None] & (w < NW)[None, :],
                         other=0)
@@ -394,7 +396,8 @@ def _word(c: int) -> int:
 
 def mask_bits(x: torch.Tensor) -> torch.Tensor:
     """An empty [N*H*W, words] int32 tensor for the ReLU mask of the channels_last ``x``: one bit a
-    value (:func:`normalise` writes it), a sixteenth of an fp16 pass over ``x``."""
+    value (:func:`normalise` writes it): a sixteenth of an fp16 pass over ``x`` from 32 channels up
+    (narrower, a row's one word holds fewer bits)."""
     n, c, h, w = x.shape
     return x.new_empty((n * h * w, -(-c // _word(c))), dtype=torch.int32)
 
@@ -434,7 +437,7 @@ def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.T
 
 
 def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
-              weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional["Shortcut"] = None) -> tuple:
+              weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional[Shortcut] = None) -> tuple:
     """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
     the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
     alone no longer tells), else an empty tensor). With ``shortcut``, ``residual`` is the raw
@@ -652,9 +655,10 @@ class _ForkedBnAct(torch.autograd.Function):
     """:func:`bn_act_op` with its output returned twice (one tensor and a view of it), for a block
     output that two layers read: the next block's first convolution and its shortcut. Autograd
     would sum their two gradients in a pass of its own (read two, write one) before the backward
-    read the sum twice; apart, the backward's kernels add them in float32 as they load them: one
-    pass over the tensor fewer. The arithmetic is bn_act_op's; only that sum is no longer rounded
-    to the activations' dtype first. (A custom op may not return aliases, hence a Function.)
+    read the sum; apart, the gradient-sums kernel adds them in float32 as it loads them: one pass
+    over the tensor fewer. The arithmetic is bn_act_op's; that sum is rounded to the
+    activations' dtype only where it is stored (the residual's gradient, which the input-gradient
+    pass reads back), as torch's sum would be. (A custom op may not return aliases, hence a Function.)
     Autograd hands an unused output's gradient in as zeros: right, one read dearer. Neither output
     may be changed in place (autograd refuses it: one is a view of the other); the fused blocks
     never do."""
