@@ -3,20 +3,21 @@
 In a ResNet step BatchNorm, the ReLU, the residual add and their gradients are separate passes
 over the activations in memory (their time per step: docs/BENCHMARKS.md). Fused, a layer costs
 the passes its arithmetic needs: forward, one for the per-channel statistics (tile sums combined
-in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU;
-backward, one for the two per-channel sums (which also writes the residual's gradient) and one
-that writes the input's gradient. A block's output, read by the next block's convolution and
-shortcut, is forked (:class:`_ForkedBnAct`) so the gradient-sums pass loads its two gradients
-instead of autograd summing them first. Without a residual the ReLU mask is recomputed from the input (two fewer
-passes); it is then the float32 sum's mask, which differs from torch's only for outputs that
-round to zero in fp16. With one, the forward writes the mask as bits (read off the rounded
-output, as torch's backward reads it; a sixteenth of an fp16 pass from 32 channels up, instead
-of reading the output back twice), and the gradient-sums pass writes the masked gradient, which is the residual's
-gradient, so the input-gradient pass reads that one tensor (rounded to the activations' dtype,
-as torch's own gradient would be) instead of both gradients and the mask. A block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads
-the shortcut convolution's raw output (:class:`Shortcut`): its normalised tensor is never
-written, and its gradient sums come out of the add's own gradient-sums pass. Arithmetic is
-float32; each stored tensor is rounded once; running statistics follow torch's rule.
+in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU; backward,
+one for the two per-channel sums (which also writes the residual's gradient) and one that writes
+the input's gradient. A block's output, read by the next block's convolution and shortcut, is
+forked (:class:`_ForkedBnAct`) so the gradient-sums pass loads its two gradients instead of
+autograd summing them first. Without a residual the ReLU mask is recomputed from the input (two
+fewer passes); it is then the float32 sum's mask, which differs from torch's only for outputs
+that round to zero in fp16. With one, the forward writes the mask as bits (read off the rounded
+output, as torch's backward reads it; a sixteenth of an fp16 pass from 32 channels up, instead of
+reading the output back twice), and the gradient-sums pass writes the masked gradient, which is
+the residual's gradient, so the input-gradient pass reads that one tensor (rounded to the
+activations' dtype, as torch's own gradient would be) instead of both gradients and the mask. A
+block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads the
+shortcut convolution's raw output (:class:`Shortcut`): its normalised tensor is never written,
+and its gradient sums come out of the add's own gradient-sums pass. Arithmetic is float32; each
+stored tensor is rounded once; running statistics follow torch's rule.
 
 With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
 output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
