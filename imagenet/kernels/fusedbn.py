@@ -491,8 +491,9 @@ def gradient_sums(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor
     if shortcut is not None:
         sc = shortcut[1]
         sgr, dw_r, db_r = torch.empty_like(sgx), torch.empty_like(sc.weight), torch.empty_like(sc.bias)
-        _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgr, sc.invstd, torch.empty_like(sg), sgr, dw_r, db_r, c,
-                                                  parts, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+        # its sum of g is this layer's: sg is written again with the same values
+        _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgr, sc.invstd, sg, sgr, dw_r, db_r, c, parts,
+                                                  BLOCK_P=FINISH_P, BLOCK_C=finish_c)
         sums_r = (sgr, dw_r, db_r)
     return sg, sgx, dw, db, g, sums_r
 

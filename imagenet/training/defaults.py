@@ -170,7 +170,7 @@ def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional
 def _conv_stats_fallback(cfg: Config, machine: Machine, compile_mode: str) -> Optional[str]:
     """Why ``--bn-kernel auto``'s fused BatchNorm does not take its statistics from cuDNN's fused
     convolutions here (None: it does)."""
-    if not (cfg.fp16 or cfg.amp):  # before the machine's answer: an fp32 run does not ask cuDNN
+    if cfg.half_dtype is None:  # before the machine's answer: an fp32 run does not ask cuDNN
         return "which serve half-precision convolutions (--fp16, --amp), and this run is fp32"
     if machine.no_conv_stats is not None:
         return f"as {machine.no_conv_stats}"
@@ -236,7 +236,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
                                   "one pass each way instead of torch's separate kernels; their statistics are not "
                                   f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
     notes = []
-    if cfg.bn_kernel == "cudnn" and not (cfg.fp16 or cfg.amp):
+    if cfg.bn_kernel == "cudnn" and cfg.half_dtype is None:
         notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve half-precision convolutions (--fp16, --amp); "
                      "in this fp32 run the Triton kernels make them")
     if tune and compile_mode == "off":
