@@ -370,3 +370,65 @@ def test_every_pretrained_weight_set_evaluates_bilinear_antialiased(arch):
         assert preset.crop_size == [224], weights
         resolved = models.pretrained_weights(arch, weights.name)
         assert (resolved.resize, resolved.crop) == (preset.resize_size[0], preset.crop_size[0])
+
+
+# ----------------------------------------------------------------------------------- padded stem
+
+
+def test_the_stem_convolution_is_padded_and_keeps_its_state_dict():
+    from imagenet.models import stem
+    model = models.create_model("resnet18", num_classes=5)
+    assert type(model.conv1) is stem.PaddedStemConv and model.conv1.weight.shape == (64, 3, 7, 7)
+    assert list(model.state_dict()) == list(torchvision.models.resnet18(num_classes=5).state_dict())
+    small = models.create_model("resnet18", num_classes=5, small_stem=True)
+    assert type(small.conv1) is nn.Conv2d  # the small stem's convolution was not measured: left as torch's
+    x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    assert not stem.takes(x, model.conv1)  # a CPU float32 input: the plain convolution
+    assert not stem.takes(x.cuda() if torch.cuda.is_available() else x.half(), model.conv1)  # float32 weights
+
+
+def test_the_padded_stem_gives_the_convolutions_output_and_weight_gradient(monkeypatch):
+    # The padded path, forced on a CPU in float64: the fourth channel adds exact zeros.
+    from imagenet.models import stem
+    conv = nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False).double()
+    padded = nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False).double()
+    padded.load_state_dict(conv.state_dict())
+    stem.pad_stem(nn.Module())  # a model without conv1: nothing to do
+    holder = nn.Module()
+    holder.conv1 = padded
+    stem.pad_stem(holder)
+    monkeypatch.setattr(stem, "takes", lambda x, c: True)
+    x = torch.randn(2, 3, 19, 18, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    y, y_ref = padded(x), conv(x)
+    assert y.shape == y_ref.shape and torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert padded.weight.grad.shape == (8, 3, 7, 7)
+    assert torch.allclose(padded.weight.grad, conv.weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_padded_stem_is_bit_equal_to_cudnns_own_padding_on_the_gpu(dtype):
+    from imagenet.models import stem
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False).cuda().to(dtype)
+    conv = conv.to(memory_format=torch.channels_last)
+    padded = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False).cuda().to(dtype)
+    padded = padded.to(memory_format=torch.channels_last)
+    padded.load_state_dict(conv.state_dict())
+    holder = nn.Module()
+    holder.conv1 = padded
+    stem.pad_stem(holder)
+    x = torch.randn(8, 3, 64, 64, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    assert stem.takes(x, padded)
+    y, y_ref = padded(x), conv(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    scale = y_ref.float().abs().max()
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-3 * scale  # the same sums; cuDNN may pick another kernel
+    wscale = conv.weight.grad.float().abs().max()
+    assert (padded.weight.grad.float() - conv.weight.grad.float()).abs().max() <= 1e-2 * wscale  # fp16 sums of 8,192
+    assert padded.weight.grad.shape == conv.weight.shape

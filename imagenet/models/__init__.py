@@ -2,6 +2,8 @@
 
 * ``registry`` -- :func:`create_model` (with our kernels swapped in where they run), starting
   weights (``--pretrained``, ``--weights``), fitting state dicts, and ``torch.compile``.
+* ``stem`` -- the stem's 3-channel convolution given a zero fourth channel on GPUs in half
+  precision, which cuDNN's first-layer kernels would otherwise pad on every pass.
 
 May import: ``imagenet.base``, ``imagenet.kernels``.
 """

@@ -1,0 +1,47 @@
+"""The ResNet stem's convolution fed four input channels instead of three, on CUDA in half precision.
+
+cuDNN's kernels for a first layer (the 7x7/2 convolution of 3-channel images) read four channels.
+Given three, cuDNN pads the image itself on every pass, into a zeroed buffer in a slow kernel, in
+the forward and again for the weight's gradient: about 0.25 ms of a ResNet-50 step at -b 256 on an
+H200 (docs/BENCHMARKS.md). Here the image and the weight get a zero fourth channel before the
+call: with torch.compile the image's padding is one pass of Inductor's, kept for the backward;
+the weight's is a tiny one. The zero channel against zero weights adds exact zeros, so the output
+and the weight's gradient (the first three channels of the padded one) are what they were; the
+parameter keeps its shape and name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_DTYPES = (torch.float16, torch.bfloat16)  # where cuDNN's padding was measured to cost time
+
+
+class PaddedStemConv(nn.Conv2d):
+    """``nn.Conv2d`` with three input channels whose channels_last CUDA half-precision inputs are
+    padded to four channels (see the module docstring); anything else runs the plain convolution."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not takes(x, self):
+            return super().forward(x)
+        x = F.pad(x, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
+        weight = F.pad(self.weight, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
+        return self._conv_forward(x, weight, self.bias)
+
+
+def takes(x: torch.Tensor, conv: nn.Conv2d) -> bool:
+    """Whether ``conv(x)`` runs padded to four input channels."""
+    return (x.is_cuda and x.dtype in _DTYPES and x.dim() == 4 and x.shape[1] == 3 and conv.in_channels == 3
+            and conv.groups == 1 and conv.padding_mode == "zeros" and conv.weight.dtype == x.dtype
+            and x.is_contiguous(memory_format=torch.channels_last))
+
+
+def pad_stem(model: nn.Module) -> nn.Module:
+    """``model.conv1`` (a torchvision ResNet's 3-channel stem convolution) made a
+    :class:`PaddedStemConv` in place: the same module, parameters and state dict."""
+    conv = getattr(model, "conv1", None)
+    if type(conv) is nn.Conv2d and conv.in_channels == 3 and conv.groups == 1:
+        conv.__class__ = PaddedStemConv
+    return model
