@@ -7,9 +7,10 @@ input pixel, the windows that may have picked it and re-derive each window's win
 saved index of the whole plane.
 
 Here the forward writes the pooled values and, for each one, the position (0..8) of the
-window's maximum as one byte; the backward visits each input pixel once, looks at the one,
-two or four windows that contain it (stride 2 leaves no more) and adds, in float32, the
-gradients of those whose byte names this pixel. The winner is torch's: the first maximum in
+window's maximum as one byte; the backward visits each window once, with the three after it in
+its row and column, and writes the four input pixels at its centre's even row and column and
+after them: each lies in one, two or four of those windows (stride 2 leaves no more), and adds,
+in float32, the gradients of those whose byte names it. The winner is torch's: the first maximum in
 row-major window order, a NaN replacing it (so a window holding NaNs passes its gradient to the
 last NaN, as torch does); the sum runs over the windows in torch's order. So the gradient
 equals torch's up to the rounding of a sum of at most four float32 terms.
@@ -98,38 +99,56 @@ if triton is not None:
         tl.store(idx_ptr + out, arg.to(tl.int8), mask=ok)
 
     @triton.jit
-    def _stem_maxpool_backward(g_ptr, idx_ptr, dx_ptr, pixels, C, H, W, OH, OW,
-                               BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # One program: BLOCK_P input pixels (n, ih, iw) x BLOCK_C channels, NHWC. Window oh
-        # covers rows 2*oh-1 .. 2*oh+1, so row ih lies in oh = (ih+1)//2 (at kh = ih+1-2*oh)
-        # and, for odd ih, also in oh - 1 (kh = 2); likewise for columns.
+    def _window(g_ptr, idx_ptr, n, k, j, c, p_ok, c_ok, C, OH, OW):
+        # Window (k, j)'s winner bytes and gradient (float32); -1 and 0 outside the output.
+        ok = p_ok & (k < OH) & (j < OW)
+        offs = ((n * OH + k) * OW + j).to(tl.int64) * C
+        m = ok[:, None] & c_ok[None, :]
+        won = tl.load(idx_ptr + offs[:, None] + c[None, :], mask=m, other=-1).to(tl.int32)
+        g = tl.load(g_ptr + offs[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        return won, g
+
+    @triton.jit
+    def _store_pixel(dx_ptr, acc, n, ih, iw, c, p_ok, c_ok, C, H, W):
+        ok = p_ok & (ih < H) & (iw < W)
+        out = ((n * H + ih) * W + iw).to(tl.int64) * C
+        tl.store(dx_ptr + out[:, None] + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _stem_maxpool_backward(g_ptr, idx_ptr, dx_ptr, windows, C, H, W, OH, OW, BLOCK_P: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+        # One program: BLOCK_P windows (n, k, j) x BLOCK_C channels, NHWC; it writes the four
+        # input pixels (2k + a, 2j + b), a, b in {0, 1}. Window k covers rows 2k-1 .. 2k+1, so
+        # row 2k lies in window k only (at kh = 1) and row 2k+1 in windows k (kh = 2) and k+1
+        # (kh = 0); likewise for columns. The four windows (k, j), (k, j+1), (k+1, j), (k+1, j+1)
+        # are loaded once for the four pixels (a program per pixel loaded each up to four times),
+        # and each pixel adds, in float32 and in torch's order (the earlier window first), the
+        # gradients of those whose byte names it (kh * 3 + kw).
         p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_ok = p < pixels
+        p_ok = p < windows
         c_ok = c < C
-        iw = p % W
-        ih = (p // W) % H
-        n = p // (W * H)
-        acc = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
-        for r in tl.static_range(2):  # the earlier window first: torch's order of the sum
-            oh = (ih + 1) // 2 - 1 + r
-            kh = ih + 1 - 2 * oh
-            row_ok = (oh >= 0) & (oh < OH) & (kh <= 2)
-            for s in tl.static_range(2):
-                ow = (iw + 1) // 2 - 1 + s
-                kw = iw + 1 - 2 * ow
-                ok = p_ok & row_ok & (ow >= 0) & (ow < OW) & (kw <= 2)
-                offs = ((n * OH + oh) * OW + ow).to(tl.int64) * C
-                m = ok[:, None] & c_ok[None, :]
-                won = tl.load(idx_ptr + offs[:, None] + c[None, :], mask=m, other=-1).to(tl.int32)
-                g = tl.load(g_ptr + offs[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
-                acc += tl.where(won == (kh * 3 + kw)[:, None], g, 0.0)
-        out = p.to(tl.int64)[:, None] * C + c[None, :]
-        tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+        j = p % OW
+        k = (p // OW) % OH
+        n = p // (OW * OH)
+        w00, g00 = _window(g_ptr, idx_ptr, n, k, j, c, p_ok, c_ok, C, OH, OW)
+        w01, g01 = _window(g_ptr, idx_ptr, n, k, j + 1, c, p_ok, c_ok, C, OH, OW)
+        w10, g10 = _window(g_ptr, idx_ptr, n, k + 1, j, c, p_ok, c_ok, C, OH, OW)
+        w11, g11 = _window(g_ptr, idx_ptr, n, k + 1, j + 1, c, p_ok, c_ok, C, OH, OW)
+        zero = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
+        _store_pixel(dx_ptr, zero + tl.where(w00 == 4, g00, 0.0), n, 2 * k, 2 * j, c, p_ok, c_ok, C, H, W)
+        _store_pixel(dx_ptr, zero + tl.where(w00 == 5, g00, 0.0) + tl.where(w01 == 3, g01, 0.0),
+                     n, 2 * k, 2 * j + 1, c, p_ok, c_ok, C, H, W)
+        _store_pixel(dx_ptr, zero + tl.where(w00 == 7, g00, 0.0) + tl.where(w10 == 1, g10, 0.0),
+                     n, 2 * k + 1, 2 * j, c, p_ok, c_ok, C, H, W)
+        _store_pixel(dx_ptr, zero + tl.where(w00 == 8, g00, 0.0) + tl.where(w01 == 6, g01, 0.0)
+                     + tl.where(w10 == 2, g10, 0.0) + tl.where(w11 == 0, g11, 0.0),
+                     n, 2 * k + 1, 2 * j + 1, c, p_ok, c_ok, C, H, W)
 
 
 def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int, ow: int) -> None:
-    """``kernel`` over ``pixels`` pixels x ``c`` channels (NHWC), in programs of BLOCK_P x up to 64."""
+    """``kernel`` over ``pixels`` output pixels (windows) x ``c`` channels (NHWC), in programs of
+    BLOCK_P x up to 64."""
     if pixels and c:
         block_c = min(triton.next_power_of_2(c), 64)
         grid = (triton.cdiv(pixels, BLOCK_P), triton.cdiv(c, block_c))
@@ -157,12 +176,12 @@ def _(x):
 
 @torch.library.custom_op("imagenet::stem_maxpool_backward", mutates_args=())
 def stem_maxpool_backward(grad: torch.Tensor, idx: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The input's gradient from the output's (any layout) and the forward's winner bytes."""
-    grad = grad.contiguous(memory_format=torch.channels_last)
+    """The input's gradient from the output's and the forward's winner bytes."""
+    grad = grad.contiguous(memory_format=torch.channels_last)  # a no-op: _backward_rule made it so
     idx = idx.contiguous(memory_format=torch.channels_last)  # as the forward wrote it: a no-op
     n, c, oh, ow = idx.shape
     dx = _nhwc_empty(n, c, height, width, grad.dtype, grad.device)
-    _launch(_stem_maxpool_backward, (grad, idx, dx), n * height * width, c, height, width, oh, ow)
+    _launch(_stem_maxpool_backward, (grad, idx, dx), n * oh * ow, c, height, width, oh, ow)
     return dx
 
 
@@ -179,6 +198,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_rule(ctx, grad, _grad_idx):
     (idx,) = ctx.saved_tensors
+    # channels_last where torch.compile sees it: Inductor then writes the gradient in that layout
+    # in the kernel that makes it, instead of the op copying one of another layout
+    grad = grad.contiguous(memory_format=torch.channels_last)
     return stem_maxpool_backward(grad, idx, ctx.size[0], ctx.size[1])
 
 
