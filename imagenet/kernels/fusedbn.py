@@ -154,8 +154,8 @@ if triton is not None:
         tl.store(pm2_ptr + out, tl.maximum(tl.sum(s2, 0) - t1 * t1 / n, 0.0), mask=c_ok)
 
     @triton.jit
-    def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, P, ROWS, eps, momentum,
-                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, C, P, ROWS, eps,
+                      momentum, COUNT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         # The P partial results of each channel, BLOCK_P at a time (each tile combined exactly:
         # its count-weighted mean, then its M2 about that mean), tiles in order; then torch's
         # running-statistics update.
@@ -182,11 +182,18 @@ if triton is not None:
             mean = mean + delta * frac
             m2 = m2 + tile_m2 + delta * delta * n * frac
             n = total
-        _store_statistics(mean, m2 / M, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum)
+        _store_statistics(mean, m2 / M, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
+                          momentum, COUNT)
 
     @triton.jit
-    def _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum):
-        # The batch's mean and 1/std, and torch's running-statistics update (unbiased variance).
+    def _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
+                          momentum, COUNT: tl.constexpr):
+        # The batch's mean and 1/std, and torch's running-statistics update (unbiased variance);
+        # with COUNT, the first program adds the batch to BatchNorm's count (a kernel of its own
+        # per layer otherwise)
+        if COUNT:
+            if tl.program_id(0) == 0:
+                tl.store(batches_ptr, tl.load(batches_ptr) + 1)
         tl.store(mean_ptr + c, mean, mask=c_ok)
         tl.store(invstd_ptr + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
         rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
@@ -196,15 +203,16 @@ if triton is not None:
         tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
-    def _stats_from_sums(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, M, C, eps, momentum,
-                         BLOCK_C: tl.constexpr):
+    def _stats_from_sums(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, C, eps, momentum,
+                         COUNT: tl.constexpr, BLOCK_C: tl.constexpr):
         # The batch's statistics from a convolution's per-channel sum and sum of squares
         # (imagenet.kernels.convstats): E[y^2] - E[y]^2, then torch's running-statistics update.
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mean = tl.load(sum_ptr + c, mask=c_ok, other=0.0) / M
         var = tl.maximum(tl.load(sq_ptr + c, mask=c_ok, other=0.0) / M - mean * mean, 0.0)
-        _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, c, c_ok, M, eps, momentum)
+        _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
+                          momentum, COUNT)
 
     @triton.jit
     def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
@@ -424,16 +432,18 @@ def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
 
 
 def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
-               eps: float) -> tuple:
+               eps: float, batches: Optional[torch.Tensor] = None) -> tuple:
     """The batch's per-channel (mean, 1/std) in float32 of a channels_last ``x``; updates the
-    running statistics in place."""
+    running statistics in place, and adds one to ``batches`` (BatchNorm's count) where given."""
     launch = LAUNCH["stats"]
     m, c, (block_m, block_c, rows, parts), (pmean, pm2), (mean, invstd) = _reduction(x, launch)
     _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
                                                      BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
     finish_c = min(FINISH_C, triton.next_power_of_2(c))
-    _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var, m, c, parts,
-                                               rows, eps, momentum, BLOCK_P=FINISH_P, BLOCK_C=finish_c)
+    _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var,
+                                               batches if batches is not None else mean, m, c, parts, rows, eps,
+                                               momentum, COUNT=batches is not None, BLOCK_P=FINISH_P,
+                                               BLOCK_C=finish_c)
     return mean, invstd
 
 
@@ -517,41 +527,46 @@ def input_gradients(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tens
     return dx
 
 
-@torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var"))
-def bn_stats_op(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var", "num_batches_tracked"))
+def bn_stats_op(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                num_batches_tracked: torch.Tensor, momentum: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`statistics` as an op (no gradient: :func:`bn_act_op`'s backward accounts for the
     statistics' dependence on ``x``)."""
-    return statistics(_cl(x), running_mean, running_var, momentum, eps)
+    return statistics(_cl(x), running_mean, running_var, momentum, eps, num_batches_tracked)
 
 
 @bn_stats_op.register_fake
-def _(x, running_mean, running_var, momentum, eps):
+def _(x, running_mean, running_var, num_batches_tracked, momentum, eps):
     c = x.shape[1]
     return x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
 
 
 def statistics_from_sums(sums: torch.Tensor, squares: torch.Tensor, count: int, running_mean: torch.Tensor,
-                         running_var: torch.Tensor, momentum: float, eps: float) -> tuple:
+                         running_var: torch.Tensor, momentum: float, eps: float,
+                         batches: Optional[torch.Tensor] = None) -> tuple:
     """The batch's per-channel (mean, 1/std) in float32 from the per-channel sum and sum of squares
-    of ``count`` values each; updates the running statistics in place."""
+    of ``count`` values each; updates the running statistics in place, and ``batches`` as
+    :func:`statistics` does."""
     c = sums.shape[0]
     mean, invstd = torch.empty_like(sums), torch.empty_like(sums)
     block_c = min(triton.next_power_of_2(c), 128)
-    _stats_from_sums[(triton.cdiv(c, block_c),)](sums, squares, mean, invstd, running_mean, running_var, count, c,
-                                                 eps, momentum, BLOCK_C=block_c)
+    _stats_from_sums[(triton.cdiv(c, block_c),)](sums, squares, mean, invstd, running_mean, running_var,
+                                                 batches if batches is not None else mean, count, c, eps, momentum,
+                                                 COUNT=batches is not None, BLOCK_C=block_c)
     return mean, invstd
 
 
-@torch.library.custom_op("imagenet::bn_stats_from_sums", mutates_args=("running_mean", "running_var"))
+@torch.library.custom_op("imagenet::bn_stats_from_sums",
+                         mutates_args=("running_mean", "running_var", "num_batches_tracked"))
 def bn_stats_from_sums_op(sums: torch.Tensor, squares: torch.Tensor, count: int, running_mean: torch.Tensor,
-                          running_var: torch.Tensor, momentum: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          running_var: torch.Tensor, num_batches_tracked: torch.Tensor, momentum: float,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`statistics_from_sums` as an op (no gradient, as :func:`bn_stats_op`)."""
-    return statistics_from_sums(sums, squares, count, running_mean, running_var, momentum, eps)
+    return statistics_from_sums(sums, squares, count, running_mean, running_var, momentum, eps, num_batches_tracked)
 
 
 @bn_stats_from_sums_op.register_fake
-def _(sums, squares, count, running_mean, running_var, momentum, eps):
+def _(sums, squares, count, running_mean, running_var, num_batches_tracked, momentum, eps):
     return torch.empty_like(sums), torch.empty_like(sums)
 
 
@@ -637,6 +652,10 @@ def _setup_context(ctx, inputs, output):
 def _backward_rule(ctx, dy, dy2=None):
     # the whole gradient of x, through the statistics too: mean and invstd get none
     x, bits, mean, invstd, weight, bias, raw, res_weight, res_bias, res_mean, res_invstd = ctx.saved_tensors
+    # channels_last here, where torch.compile sees it: Inductor then writes the gradient in that
+    # layout in the kernel that makes it (the last layer's, from the average pool, comes
+    # broadcast) instead of the op copying it in a pass of its own
+    dy, dy2 = _cl(dy), (_cl(dy2) if dy2 is not None else None)
     dx, dw, db, dr, dw_r, db_r = bn_act_backward(dy, dy2, x, bits, mean, invstd, weight, bias, ctx.mask, ctx.has_res,
                                                  raw, res_weight, res_bias, res_mean, res_invstd)
     if ctx.has_res and dr.dtype != ctx.residual_dtype:
@@ -678,12 +697,13 @@ class _ForkedBnAct(torch.autograd.Function):
 
 def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> tuple:
     """The batch's (mean, 1/std) of ``x`` for ``bn``, from a pass of their own or from ``sums``;
-    the running statistics and the batch count updated as nn.BatchNorm2d does."""
-    bn.num_batches_tracked.add_(1)  # only a None momentum would read it
+    the running statistics and the batch count (read only where momentum is None: never here)
+    updated as nn.BatchNorm2d does, by the kernels that make the statistics."""
     if sums is None:
-        return bn_stats_op(x.detach(), bn.running_mean, bn.running_var, float(bn.momentum), float(bn.eps))
+        return bn_stats_op(x.detach(), bn.running_mean, bn.running_var, bn.num_batches_tracked, float(bn.momentum),
+                           float(bn.eps))
     return bn_stats_from_sums_op(sums[0], sums[1], x.shape[0] * x.shape[2] * x.shape[3], bn.running_mean,
-                                 bn.running_var, float(bn.momentum), float(bn.eps))
+                                 bn.running_var, bn.num_batches_tracked, float(bn.momentum), float(bn.eps))
 
 
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
