@@ -384,7 +384,8 @@ def test_the_stem_convolution_is_padded_and_keeps_its_state_dict():
     assert type(small.conv1) is nn.Conv2d  # the small stem's convolution was not measured: left as torch's
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     assert not stem.takes(x, model.conv1)  # a CPU float32 input: the plain convolution
-    assert not stem.takes(x.cuda() if torch.cuda.is_available() else x.half(), model.conv1)  # float32 weights
+    if torch.cuda.is_available():
+        assert not stem.takes(x.cuda().half(), model.conv1)  # half input, float32 weights (an --amp model)
 
 
 def test_the_padded_stem_gives_the_convolutions_output_and_weight_gradient(monkeypatch):
@@ -410,7 +411,7 @@ def test_the_padded_stem_gives_the_convolutions_output_and_weight_gradient(monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_padded_stem_is_bit_equal_to_cudnns_own_padding_on_the_gpu(dtype):
+def test_the_padded_stem_matches_cudnns_own_padding_on_the_gpu(dtype):
     from imagenet.models import stem
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False).cuda().to(dtype)
@@ -428,7 +429,8 @@ def test_the_padded_stem_is_bit_equal_to_cudnns_own_padding_on_the_gpu(dtype):
     y.backward(g)
     y_ref.backward(g)
     scale = y_ref.float().abs().max()
-    assert (y.float() - y_ref.float()).abs().max() <= 1e-3 * scale  # the same sums; cuDNN may pick another kernel
+    # the same sums; cuDNN may pick another algorithm for 4 channels than for its own padded 3
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-3 * scale
     wscale = conv.weight.grad.float().abs().max()
     assert (padded.weight.grad.float() - conv.weight.grad.float()).abs().max() <= 1e-2 * wscale  # fp16 sums of 8,192
     assert padded.weight.grad.shape == conv.weight.shape

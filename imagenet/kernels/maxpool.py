@@ -66,8 +66,7 @@ def _nhwc_empty(n: int, c: int, h: int, w: int, dtype: torch.dtype, device) -> t
 
 
 if triton is not None:
-    # The two kernels below ran compiled on an H200 (tests/test_maxpool.py, docs/BENCHMARKS.md);
-    # their common first lines are left as they ran rather than moved into a helper untested there.
+    # The kernels below ran compiled on an H200 (tests/test_maxpool.py, docs/BENCHMARKS.md).
     @triton.jit
     def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, pixels, C, H, W, OH, OW,
                               BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):

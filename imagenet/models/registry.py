@@ -43,7 +43,7 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
         model.maxpool = nn.Identity()
     else:
-        pad_stem(model)  # an exact rewrite that cuDNN's first-layer kernels run faster (models/stem.py)
+        pad_stem(model)  # the convolution cuDNN pads to 4 channels itself, padded once (models/stem.py)
         if stem_kernels and is_stem_pool(model.maxpool):
             model.maxpool = StemMaxPool()
     if bn_kernels:

@@ -2,12 +2,15 @@
 
 cuDNN's kernels for a first layer (the 7x7/2 convolution of 3-channel images) read four channels.
 Given three, cuDNN pads the image itself on every pass, into a zeroed buffer in a slow kernel, in
-the forward and again for the weight's gradient: about 0.25 ms of a ResNet-50 step at -b 256 on an
-H200 (docs/BENCHMARKS.md). Here the image and the weight get a zero fourth channel before the
-call: with torch.compile the image's padding is one pass of Inductor's, kept for the backward;
-the weight's is a tiny one. The zero channel against zero weights adds exact zeros, so the output
-and the weight's gradient (the first three channels of the padded one) are what they were; the
-parameter keeps its shape and name.
+the forward and again for the weight's gradient (docs/BENCHMARKS.md). Here the image and the
+weight get a zero fourth channel before the call: with torch.compile the image's padding is one
+pass of Inductor's, kept for the backward; the weight's is a tiny one. The zero channel against
+zero weights adds exact zeros: the arithmetic is cuDNN's own padded convolution's, though cuDNN
+may pick another algorithm for it, whose float sums round differently (the weight's gradient, the
+first three channels of the padded one, by about one step of the dtype at its largest values).
+The parameter keeps its shape and name.
+It applies where the model itself is in half precision (``--fp16``); under ``--amp`` the image
+reaches the convolution in float32 and autocast casts it there, and cuDNN pads it as before.
 """
 
 from __future__ import annotations
