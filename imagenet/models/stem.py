@@ -35,9 +35,9 @@ class PaddedStemConv(nn.Conv2d):
 
 
 def takes(x: torch.Tensor, conv: nn.Conv2d) -> bool:
-    """Whether ``conv(x)`` runs padded to four input channels."""
-    return (x.is_cuda and x.dtype in _DTYPES and x.dim() == 4 and x.shape[1] == 3 and conv.in_channels == 3
-            and conv.groups == 1 and conv.padding_mode == "zeros" and conv.weight.dtype == x.dtype
+    """Whether ``conv(x)`` (a :class:`PaddedStemConv`, whose geometry :func:`pad_stem` checked)
+    runs padded to four input channels."""
+    return (x.is_cuda and x.dtype in _DTYPES and x.dim() == 4 and x.shape[1] == 3 and conv.weight.dtype == x.dtype
             and x.is_contiguous(memory_format=torch.channels_last))
 
 
@@ -45,6 +45,6 @@ def pad_stem(model: nn.Module) -> nn.Module:
     """``model.conv1`` (a torchvision ResNet's 3-channel stem convolution) made a
     :class:`PaddedStemConv` in place: the same module, parameters and state dict."""
     conv = getattr(model, "conv1", None)
-    if type(conv) is nn.Conv2d and conv.in_channels == 3 and conv.groups == 1:
+    if type(conv) is nn.Conv2d and conv.in_channels == 3 and conv.groups == 1 and conv.padding_mode == "zeros":
         conv.__class__ = PaddedStemConv
     return model
