@@ -7,7 +7,8 @@ input pixel, the windows that may have picked it and re-derive each window's win
 saved index of the whole plane.
 
 Here the forward writes the pooled values and, for each one, the position (0..8) of the
-window's maximum as one byte; the backward visits each window once, with the three after it in
+window's maximum as one byte, two output rows a program (their windows share an input row,
+loaded once for both); the backward visits each window once, with the three after it in
 its row and column, and writes the four input pixels at its centre's even row and column and
 after them: each lies in one, two or four of those windows (stride 2 leaves no more), and adds,
 in float32, the gradients of those whose byte names it. The winner is torch's: the first maximum in
@@ -37,7 +38,9 @@ except ImportError:  # pragma: no cover - a torch without Triton
 # inside torch.compile reads no environment (which breaks the graph on torch before 2.5)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-BLOCK_P = 64  # pixels per program
+# Programs' sizes, the fastest of a sweep on an H200 at the ResNet-50 stem's -b 256 shape (docs/BENCHMARKS.md)
+FORWARD_W, FORWARD_WARPS = 32, 4  # the forward: output columns per program (of two rows), warps
+BACKWARD_P, BACKWARD_WARPS = 32, 2  # the backward: windows per program, warps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -68,34 +71,53 @@ def _nhwc_empty(n: int, c: int, h: int, w: int, dtype: torch.dtype, device) -> t
 if triton is not None:
     # The kernels below ran compiled on an H200 (tests/test_maxpool.py, docs/BENCHMARKS.md).
     @triton.jit
-    def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, pixels, C, H, W, OH, OW,
-                              BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # One program: BLOCK_P output pixels (n, oh, ow) x BLOCK_C channels, NHWC.
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_ok = p < pixels
+    def _pooled_input(x_ptr, row, ih, iw, c, w_ok, c_ok, C, H, W):
+        # Input row ih of image row ``row`` (n * H + ih), columns iw, as float32: -inf outside the
+        # image (the max-pool's padding).
+        inside = w_ok & (iw >= 0) & (iw < W) & (ih >= 0) & (ih < H)
+        return tl.load(x_ptr + (row.to(tl.int64) * W * C + (iw * C)[:, None] + c[None, :]),
+                       mask=inside[:, None] & c_ok[None, :], other=float("-inf")).to(tl.float32)
+
+    @triton.jit
+    def _take(v, best, arg, k: tl.constexpr):
+        take = (v > best) | (v != v)  # strictly greater: the first maximum wins; NaN always
+        return tl.where(take, v, best), tl.where(take, k, arg)
+
+    @triton.jit
+    def _stem_maxpool_forward(x_ptr, y_ptr, idx_ptr, C, H, W, OH, OW, BLOCK_W: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+        # One program: output rows oh and oh + 1 (oh even) of image n, BLOCK_W columns x BLOCK_C
+        # channels, NHWC. Their windows cover input rows 2oh-1 .. 2oh+3; row 2oh+1 is the last of
+        # row oh's windows and the first of row oh+1's, so it is loaded once for both (15 loads
+        # for two rows, not 18). Each window takes its rows and columns in row-major order.
+        pairs = (OH + 1) // 2
+        n = tl.program_id(0) // pairs
+        oh = (tl.program_id(0) % pairs) * 2
+        ow = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        w_ok = ow < OW
         c_ok = c < C
-        ow = p % OW
-        oh = (p // OW) % OH
-        n = p // (OW * OH)
-        best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)
         # The centre is always inside the image; a window of -inf only (never after BN + ReLU)
         # keeps it, where torch may name another of its pixels.
-        arg = tl.full((BLOCK_P, BLOCK_C), 4, tl.int32)
-        for k in tl.static_range(9):
-            ih = oh * 2 - 1 + k // 3
-            iw = ow * 2 - 1 + k % 3
-            inside = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            offs = ((n * H + ih) * W + iw).to(tl.int64) * C
-            v = tl.load(x_ptr + offs[:, None] + c[None, :], mask=inside[:, None] & c_ok[None, :],
-                        other=float("-inf")).to(tl.float32)
-            take = (v > best) | (v != v)  # strictly greater: the first maximum wins; NaN always
-            best = tl.where(take, v, best)
-            arg = tl.where(take, k, arg)
-        out = p.to(tl.int64)[:, None] * C + c[None, :]
-        ok = p_ok[:, None] & c_ok[None, :]
-        tl.store(y_ptr + out, best.to(y_ptr.dtype.element_ty), mask=ok)
-        tl.store(idx_ptr + out, arg.to(tl.int8), mask=ok)
+        best0 = tl.full((BLOCK_W, BLOCK_C), float("-inf"), tl.float32)
+        arg0 = tl.full((BLOCK_W, BLOCK_C), 4, tl.int32)
+        best1 = tl.full((BLOCK_W, BLOCK_C), float("-inf"), tl.float32)
+        arg1 = tl.full((BLOCK_W, BLOCK_C), 4, tl.int32)
+        for r in tl.static_range(5):
+            ih = oh * 2 - 1 + r
+            for kw in tl.static_range(3):
+                v = _pooled_input(x_ptr, n * H + ih, ih, ow * 2 - 1 + kw, c, w_ok, c_ok, C, H, W)
+                if r <= 2:
+                    best0, arg0 = _take(v, best0, arg0, r * 3 + kw)
+                if r >= 2:
+                    best1, arg1 = _take(v, best1, arg1, (r - 2) * 3 + kw)
+        out = (n * OH + oh).to(tl.int64) * OW * C + (ow * C)[:, None] + c[None, :]
+        ok = w_ok[:, None] & c_ok[None, :]
+        tl.store(y_ptr + out, best0.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(idx_ptr + out, arg0.to(tl.int8), mask=ok)
+        ok1 = ok & (oh + 1 < OH)
+        tl.store(y_ptr + out + OW * C, best1.to(y_ptr.dtype.element_ty), mask=ok1)
+        tl.store(idx_ptr + out + OW * C, arg1.to(tl.int8), mask=ok1)
 
     @triton.jit
     def _window(g_ptr, idx_ptr, n, k, j, c, p_ok, c_ok, C, OH, OW):
@@ -145,13 +167,15 @@ if triton is not None:
                      n, 2 * k + 1, 2 * j + 1, c, p_ok, c_ok, C, H, W)
 
 
-def _launch(kernel, tensors: tuple, pixels: int, c: int, h: int, w: int, oh: int, ow: int) -> None:
-    """``kernel`` over ``pixels`` output pixels (windows) x ``c`` channels (NHWC), in programs of
-    BLOCK_P x up to 64."""
-    if pixels and c:
-        block_c = min(triton.next_power_of_2(c), 64)
-        grid = (triton.cdiv(pixels, BLOCK_P), triton.cdiv(c, block_c))
-        kernel[grid](*tensors, pixels, c, h, w, oh, ow, BLOCK_P=BLOCK_P, BLOCK_C=block_c)
+def _channel_block(c: int) -> int:
+    return min(triton.next_power_of_2(c), 64)
+
+
+def pool_like(x: torch.Tensor) -> tuple:
+    """Empty (pooled values, winner bytes) for a max-pool of ``x``, channels_last."""
+    n, c, h, w = x.shape
+    oh, ow = out_size(h), out_size(w)
+    return _nhwc_empty(n, c, oh, ow, x.dtype, x.device), _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
 
 
 @torch.library.custom_op("imagenet::stem_maxpool", mutates_args=())
@@ -159,18 +183,19 @@ def stem_maxpool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pooled values, winner byte per value) of a channels_last NCHW tensor; both channels_last."""
     x = x.contiguous(memory_format=torch.channels_last)  # the kernel reads dense NHWC; a no-op when it is
     n, c, h, w = x.shape
-    oh, ow = out_size(h), out_size(w)
-    y = _nhwc_empty(n, c, oh, ow, x.dtype, x.device)
-    idx = _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
-    _launch(_stem_maxpool_forward, (x, y, idx), n * oh * ow, c, h, w, oh, ow)
+    y, idx = pool_like(x)
+    oh, ow = y.shape[2:]
+    if x.numel():
+        block_c = _channel_block(c)
+        grid = (n * triton.cdiv(oh, 2), triton.cdiv(ow, FORWARD_W), triton.cdiv(c, block_c))
+        _stem_maxpool_forward[grid](x, y, idx, c, h, w, oh, ow, BLOCK_W=FORWARD_W, BLOCK_C=block_c,
+                                    num_warps=FORWARD_WARPS)
     return y, idx
 
 
 @stem_maxpool.register_fake
 def _(x):
-    n, c, h, w = x.shape
-    oh, ow = out_size(h), out_size(w)
-    return _nhwc_empty(n, c, oh, ow, x.dtype, x.device), _nhwc_empty(n, c, oh, ow, torch.int8, x.device)
+    return pool_like(x)
 
 
 @torch.library.custom_op("imagenet::stem_maxpool_backward", mutates_args=())
@@ -180,7 +205,11 @@ def stem_maxpool_backward(grad: torch.Tensor, idx: torch.Tensor, height: int, wi
     idx = idx.contiguous(memory_format=torch.channels_last)  # as the forward wrote it: a no-op
     n, c, oh, ow = idx.shape
     dx = _nhwc_empty(n, c, height, width, grad.dtype, grad.device)
-    _launch(_stem_maxpool_backward, (grad, idx, dx), n * oh * ow, c, height, width, oh, ow)
+    if dx.numel():
+        windows, block_c = n * oh * ow, _channel_block(c)
+        _stem_maxpool_backward[(triton.cdiv(windows, BACKWARD_P), triton.cdiv(c, block_c))](
+            grad, idx, dx, windows, c, height, width, oh, ow, BLOCK_P=BACKWARD_P, BLOCK_C=block_c,
+            num_warps=BACKWARD_WARPS)
     return dx
 
 
