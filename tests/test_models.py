@@ -383,9 +383,12 @@ def test_the_stem_convolution_is_padded_and_keeps_its_state_dict():
     small = models.create_model("resnet18", num_classes=5, small_stem=True)
     assert type(small.conv1) is nn.Conv2d  # the small stem's convolution was not measured: left as torch's
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    assert not stem.takes(x, model.conv1)  # a CPU float32 input: the plain convolution
+    assert stem.takes(x, model.conv1) is None  # a CPU float32 input: the plain convolution
     if torch.cuda.is_available():
-        assert not stem.takes(x.cuda().half(), model.conv1)  # half input, float32 weights (an --amp model)
+        model.cuda()
+        assert stem.takes(x.cuda().half(), model.conv1) is None  # half input, float32 weights, no autocast
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert stem.takes(x.cuda(), model.conv1) is torch.bfloat16  # --amp: autocast's dtype
 
 
 def test_the_padded_stem_gives_the_convolutions_output_and_weight_gradient(monkeypatch):
@@ -398,7 +401,7 @@ def test_the_padded_stem_gives_the_convolutions_output_and_weight_gradient(monke
     holder = nn.Module()
     holder.conv1 = padded
     stem.pad_stem(holder)
-    monkeypatch.setattr(stem, "takes", lambda x, c: True)
+    monkeypatch.setattr(stem, "takes", lambda x, c: torch.float64)
     x = torch.randn(2, 3, 19, 18, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     y, y_ref = padded(x), conv(x)
     assert y.shape == y_ref.shape and torch.allclose(y, y_ref, rtol=0, atol=1e-12)
@@ -434,3 +437,32 @@ def test_the_padded_stem_matches_cudnns_own_padding_on_the_gpu(dtype):
     wscale = conv.weight.grad.float().abs().max()
     assert (padded.weight.grad.float() - conv.weight.grad.float()).abs().max() <= 1e-2 * wscale  # fp16 sums of 8,192
     assert padded.weight.grad.shape == conv.weight.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_padded_stem_under_autocast_matches_cudnns_own_padding_on_the_gpu(dtype):
+    # --amp: a float32 model and image; the padded path casts both to autocast's dtype first
+    from imagenet.models import stem
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False).cuda()
+    conv = conv.to(memory_format=torch.channels_last)
+    padded = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False).cuda()
+    padded = padded.to(memory_format=torch.channels_last)
+    padded.load_state_dict(conv.state_dict())
+    holder = nn.Module()
+    holder.conv1 = padded
+    stem.pad_stem(holder)
+    x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=dtype):
+        assert stem.takes(x, padded) is dtype
+        y, y_ref = padded(x), conv(x)
+    assert y.dtype == y_ref.dtype == dtype
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    scale = y_ref.float().abs().max()
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-3 * scale
+    assert padded.weight.grad.dtype == torch.float32 and padded.weight.grad.shape == conv.weight.shape
+    wscale = conv.weight.grad.abs().max()
+    assert (padded.weight.grad - conv.weight.grad).abs().max() <= 1e-2 * wscale

@@ -9,17 +9,23 @@ zero weights adds exact zeros: the arithmetic is cuDNN's own padded convolution'
 may pick another algorithm for it, whose float sums round differently (the weight's gradient, the
 first three channels of the padded one, by about one step of the dtype at its largest values).
 The parameter keeps its shape and name.
-It applies where the model itself is in half precision (``--fp16``); under ``--amp`` the image
-reaches the convolution in float32 and autocast casts it there, and cuDNN pads it as before.
+It applies where the model itself is in half precision (``--fp16``) and under a CUDA autocast to
+float16 or bfloat16 (``--amp``): there the image and the weight are cast to autocast's dtype
+before the padding, which autocast would have cast them to at the convolution anyway, so with
+torch.compile the image's cast and padding are one pass.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_DTYPES = (torch.float16, torch.bfloat16)  # where cuDNN's padding was measured to cost time
+# float16's padding by cuDNN measured 0.29 ms a ResNet-50 step at -b 256 on an H200; bfloat16's stem
+# convolution runs as fast padded as not there (docs/BENCHMARKS.md), and is padded alike
+_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class PaddedStemConv(nn.Conv2d):
@@ -27,18 +33,25 @@ class PaddedStemConv(nn.Conv2d):
     padded to four channels (see the module docstring); anything else runs the plain convolution."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not takes(x, self):
+        dtype = takes(x, self)
+        if dtype is None:
             return super().forward(x)
-        x = F.pad(x, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
-        weight = F.pad(self.weight, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
+        x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
+        weight = F.pad(self.weight.to(dtype), (0, 0, 0, 0, 0, 1)).contiguous(memory_format=torch.channels_last)
         return self._conv_forward(x, weight, self.bias)
 
 
-def takes(x: torch.Tensor, conv: nn.Conv2d) -> bool:
-    """Whether ``conv(x)`` (a :class:`PaddedStemConv`, whose geometry :func:`pad_stem` checked)
-    runs padded to four input channels."""
-    return (x.is_cuda and x.dtype in _DTYPES and x.dim() == 4 and x.shape[1] == 3 and conv.weight.dtype == x.dtype
-            and x.is_contiguous(memory_format=torch.channels_last))
+def takes(x: torch.Tensor, conv: nn.Conv2d) -> Optional[torch.dtype]:
+    """The dtype in which ``conv(x)`` (a :class:`PaddedStemConv`, whose geometry :func:`pad_stem`
+    checked) runs padded to four input channels: the image's and the weight's half-precision
+    dtype, or autocast's inside a CUDA autocast region; None where it runs as torch's own."""
+    if not (x.is_cuda and x.dim() == 4 and x.shape[1] == 3 and x.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    if x.dtype in _DTYPES and conv.weight.dtype == x.dtype:
+        return x.dtype
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _DTYPES:
+        return torch.get_autocast_dtype("cuda")  # where autocast casts both at the convolution
+    return None
 
 
 def pad_stem(model: nn.Module) -> nn.Module:
