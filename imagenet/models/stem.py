@@ -49,9 +49,8 @@ def takes(x: torch.Tensor, conv: nn.Conv2d) -> Optional[torch.dtype]:
         return None
     if x.dtype in _DTYPES and conv.weight.dtype == x.dtype:
         return x.dtype
-    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _DTYPES:
-        return torch.get_autocast_dtype("cuda")  # where autocast casts both at the convolution
-    return None
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return autocast if autocast in _DTYPES else None  # autocast casts both at the convolution anyway
 
 
 def pad_stem(model: nn.Module) -> nn.Module:
