@@ -198,6 +198,17 @@ def fp16_run_args(data, out, *extra):
     return tiny_run_args(data, out, "-b", "8", "--fp16", "--initial-loss-scale", "16384", *extra)
 
 
+def interpreted(module: str, call: str):
+    """``tests.<module>.<call>`` run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess:
+    Triton reads it when it defines the kernels), its JSON-printed answer parsed."""
+    import sys
+    code = f"import json, sys; sys.path.insert(0, '.'); import tests.{module} as t; print(json.dumps(t.{call}))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def small_net(seed=0):
     """A seeded conv net with BatchNorm, 5 classes, for 3x12x12 inputs."""
     import torch

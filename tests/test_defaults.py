@@ -33,7 +33,10 @@ def test_the_plain_command_on_a_gpu_takes_the_fastest_mode(machine, precision):
     text = lines(plan)
     for flag in ("--no-channels-last", "--maxpool-kernel torch", "--bn-kernel torch", "--compile off", "--decode"):
         assert flag in text, text  # every automatic choice names the flag that changes it
-    assert len(plan.choices) == 5
+    fp16 = "--fp16" in precision
+    assert plan.optimizer_impl == ("triton" if fp16 else "fused")
+    assert ("--optimizer-impl fused" in text) == fp16
+    assert len(plan.choices) == (6 if fp16 else 5)
 
 
 def test_a_cpu_run_is_what_it_was():
@@ -57,6 +60,20 @@ def test_explicit_flags_are_never_overridden():
     assert len(plan.choices) == 1 and "channels_last tensors only" in lines(plan)
     plan = plan_of(["DIR", "--channels-last", "--compile", "default"], CPU)
     assert settings(plan)[::3] == (True, "default")
+
+
+def test_fp16_steps_in_the_triton_kernels_where_it_can_and_says_why_not_elsewhere():
+    assert plan_of(["DIR", "--fp16"], DDP).optimizer_impl == "triton"
+    assert plan_of(["DIR", "--fp16"], CPU).optimizer_impl == "foreach"
+    clip = plan_of(["DIR", "--fp16", "--clip-grad-norm", "1"], GPU)
+    assert clip.optimizer_impl == "fused" and "--clip-grad-norm needs the unscaled gradients" in lines(clip)
+    old = plan_of(["DIR", "--fp16"], OLD_GPU)
+    assert old.optimizer_impl == "fused" and "the kernels need Triton" in lines(old)
+    # a flag the user gave stays; where it cannot apply, a note says what runs instead
+    assert plan_of(["DIR", "--fp16", "--optimizer-impl", "fused"], GPU).optimizer_impl == "fused"
+    amp = plan_of(["DIR", "--amp", "--optimizer-impl", "triton"], GPU)
+    assert amp.optimizer_impl == "triton" and "torch's fused SGD steps this run" in " ".join(amp.notes)
+    assert parse_config(["DIR", "--fp16"]).optimizer_impl == "auto"
 
 
 def test_a_gpu_without_triton_falls_back_with_a_reason():

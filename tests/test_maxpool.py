@@ -5,7 +5,6 @@ variable is read when the kernels are defined); on a GPU, compiled, also inside 
 and through main.py in tests/test_gpu_runs.py.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from imagenet.base.errors import UserError
 from imagenet.kernels.maxpool import StemMaxPool, is_stem_pool
 from imagenet.models.registry import create_model, use_stem_kernels, has_stem_kernels
+from tests.helpers import interpreted
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -60,11 +60,7 @@ def _check(rows: list) -> None:
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
 def test_kernels_match_torch_under_the_interpreter():
     pytest.importorskip("triton")
-    code = "import json, sys; sys.path.insert(0, '.'); import tests.test_maxpool as t; print(json.dumps(t.compare()))"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    _check(json.loads(r.stdout.strip().splitlines()[-1]))
+    _check(interpreted("test_maxpool", "compare()"))
 
 
 def test_without_the_kernels_the_module_is_torchs_max_pool():

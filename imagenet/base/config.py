@@ -94,7 +94,8 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 1e-4  # L2 coefficient applied by SGD, per step
     no_bn_weight_decay: bool = False  # exempt BatchNorm weights/biases and all biases from decay
-    optimizer_impl: str = "auto"  # SGD kernel: auto (fused on CUDA, foreach elsewhere) | fused | foreach
+    optimizer_impl: str = "auto"  # SGD kernel: auto (triton for --fp16 on CUDA, else fused on CUDA, foreach
+    #                               elsewhere) | triton | fused | foreach
     label_smoothing: float = 0.0
     mixup: float = 0.0  # Beta(a, a) parameter of mixup (0: off)
     cutmix: float = 0.0  # Beta(a, a) parameter of CutMix (0: off); with both, half the batches each
@@ -167,7 +168,7 @@ _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq":
 _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
-            "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "fused", "foreach"),
+            "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "triton", "fused", "foreach"),
             "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu", "auto"), "maxpool_kernel": MAXPOOL_KERNELS,
             "bn_kernel": BN_KERNELS, "on_data_change": ("stop", "restart-epoch")}
 _HELP = {

@@ -19,7 +19,7 @@ def build_precision(cfg, device: torch.device) -> Precision:
         static = static_loss_scale(cfg)
         scaler = LossScaler(init_scale=static if static else cfg.initial_loss_scale,
                             dynamic=static is None, window=cfg.scale_window)
-        return MasterWeightPrecision(scaler, clip_norm=clip_norm)
+        return MasterWeightPrecision(scaler, clip_norm=clip_norm, one_pass=cfg.optimizer_impl == "triton")
     if cfg.amp:
         dtype = torch.bfloat16 if cfg.amp_dtype == "bfloat16" else torch.float16
         if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():

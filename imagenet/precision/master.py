@@ -4,11 +4,14 @@ The model runs in float16 except the normalisation layers, which stay float32; t
 updates a float32 master copy of every parameter; the loss is multiplied by a loss scale
 (:class:`~imagenet.precision.scaler.LossScaler`) before backward, and gradients are copied to
 the masters, unscaled and checked for inf/NaN there. A step with non-finite gradients is
-skipped (and a dynamic scale halved) so one overflow never reaches the weights.
+skipped (and a dynamic scale halved) so one overflow never reaches the weights. With
+``one_pass`` (``--optimizer-impl triton``) the step is :class:`~imagenet.kernels.masterstep.MasterStep`'s
+two kernels instead of torch's four passes, where the step's tensors fit them.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -16,11 +19,14 @@ import torch.nn as nn
 
 from ..base.torch_private import amp_unscale_and_check_, foreach_copy_, step_skipping_on_device
 from ..base.wrappers import unwrap
+from ..kernels.masterstep import MasterStep
 from .base import Precision
 from .copies import copy_by_dtype, dtype_groups
 from .norms import NORM_TYPES
 from .optim import supports_found_inf
 from .scaler import LossScaler
+
+logger = logging.getLogger(__name__)
 
 
 class MasterWeightPrecision(Precision):
@@ -29,13 +35,17 @@ class MasterWeightPrecision(Precision):
     name = "fp16"
 
     def __init__(self, scaler: LossScaler, model_dtype: torch.dtype = torch.float16, foreach: bool = True, *,
-                 clip_norm: Optional[float] = None):
+                 clip_norm: Optional[float] = None, one_pass: bool = False):
         # model_dtype=float32 turns this into an exact check of the master-weight mechanics;
-        # foreach=False does the per-step copies one tensor at a time (kept to measure the gain).
+        # foreach=False does the per-step copies one tensor at a time (kept to measure the gain);
+        # one_pass: MasterStep's kernels step an optimizer that skips on the device (not with clipping).
         super().__init__(clip_norm=clip_norm)
         self.scaler = scaler
         self.model_dtype = model_dtype
         self.foreach = foreach
+        self.one_pass = one_pass and clip_norm is None
+        self._stepper: Optional[MasterStep] = None
+        self._said: set = set()  # why a step could not take the kernels, each said once
         self.params: list = []
         self.masters: list = []
         self.names: list = []
@@ -94,6 +104,8 @@ class MasterWeightPrecision(Precision):
         on_device = supports_found_inf(optimizer)
         if on_device:
             self.scaler.attach(self._found_inf.device)
+            if self.one_pass and self._step_in_one_pass(optimizer):
+                return self._finish_on_device(self._found_inf)
         with_grad = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         model_grads = [p.grad for p, _ in with_grad]
         master_grads = [m.grad for _, m in with_grad]
@@ -126,11 +138,26 @@ class MasterWeightPrecision(Precision):
         self._reset_grads()
         return self._flag(not overflow, found_inf.device)
 
+    def _step_in_one_pass(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The step as MasterStep's kernels; False, having changed nothing, where its tensors do not fit."""
+        if self._stepper is None or self._stepper.optimizer is not optimizer:
+            self._stepper = MasterStep(optimizer, self.params, self.masters)
+        inv_scale = torch.reciprocal(self.scaler.device_scale()).reshape(1)
+        why = self._stepper(self._found_inf.zero_(), inv_scale)
+        if why is not None and why not in self._said:
+            self._said.add(why)
+            logger.warning("=> note: the fp16 optimizer step runs torch's kernels (not --optimizer-impl triton's): %s",
+                           why)
+        return why is None
+
     def _step_on_device(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
         # The clip's norm is inf on an overflowing step; the step is skipped then anyway.
         self._clip([m for m in self.masters if m.grad is not None])
         step_skipping_on_device(optimizer, found_inf)  # gradients already unscaled above
         self._copy_masters_to_model()  # unchanged masters on a skip: copying them back is harmless
+        return self._finish_on_device(found_inf)
+
+    def _finish_on_device(self, found_inf: torch.Tensor) -> torch.Tensor:
         self.scaler.update_on_device(found_inf)
         stepped = found_inf.reshape(()) == 0  # a new tensor: found_inf is reused next step
         self._reset_grads()

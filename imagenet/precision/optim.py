@@ -2,7 +2,12 @@
 
 ``--optimizer-impl``:
 
-* ``auto`` (default) -- ``fused`` on CUDA, ``foreach`` elsewhere.
+* ``auto`` (default) -- ``triton`` for ``--fp16`` on CUDA (the trainer's defaults decide it, for
+  the banner), else ``fused`` on CUDA, ``foreach`` elsewhere.
+* ``triton`` -- ``--fp16``'s step as two Triton kernels
+  (:class:`~imagenet.kernels.masterstep.MasterStep`: the inf/NaN check, then one pass from the
+  fp16 gradients to the fp32 masters, momentum and fp16 weights), over a ``fused`` optimizer whose
+  state they keep; other precisions, and ``--clip-grad-norm``, step with ``fused``.
 * ``fused`` -- ``torch.optim.SGD(fused=True)``: one kernel for every parameter. It also takes
   the loss scaler's inf/NaN flag as a device tensor and leaves weights and momentum untouched
   when it is set, so a step with overflowing gradients is skipped without the host waiting for
@@ -18,8 +23,9 @@ import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.torch_private import takes_found_inf
+from ..kernels import masterstep
 
-IMPLS = ("auto", "fused", "foreach")
+IMPLS = ("auto", "triton", "fused", "foreach")
 
 
 def param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bool) -> list:
@@ -34,15 +40,19 @@ def param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bo
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """``fused`` or ``foreach`` for ``--optimizer-impl`` on ``device``."""
+    """The torch optimizer for ``--optimizer-impl`` on ``device``: ``fused`` or ``foreach``
+    (``triton``'s kernels step a ``fused`` one)."""
     if impl == "auto":
         return "fused" if device.type == "cuda" else "foreach"
-    return impl
+    return "fused" if impl == "triton" else impl
 
 
 def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: float, impl: str,
                     device: torch.device) -> torch.optim.SGD:
     """SGD over ``groups`` (tensors on ``device``) with the implementation ``impl`` resolves to."""
+    if impl == "triton" and not masterstep.available():
+        raise UserError(f"--optimizer-impl triton needs Triton and a CUDA GPU it compiles for (here: {device}, "
+                        f"torch {torch.__version__}); use --optimizer-impl auto")
     asked, impl = impl, resolve_impl(impl, device)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True}
     try:

@@ -108,6 +108,7 @@ class SpeedPlan:
     compile: str  # off | default | reduce-overhead | max-autotune
     tune_kernels: bool
     decode: str = "cpu"  # cpu | gpu: where JPEGs are decoded
+    optimizer_impl: str = "foreach"  # triton | fused | foreach
     choices: tuple = ()
     notes: tuple = ()  # what the banner should say of the user's own settings (str)
     environment: tuple = ()  # (name, value) the trainer set in its environment, for config.yaml
@@ -116,14 +117,15 @@ class SpeedPlan:
         """``cfg`` with every ``auto`` replaced by what this plan chose."""
         return dataclasses.replace(cfg, channels_last=self.channels_last, maxpool_kernel=self.maxpool_kernel,
                                    bn_kernel=self.bn_kernel, compile=self.compile, tune_kernels=self.tune_kernels,
-                                   decode=self.decode)
+                                   decode=self.decode, optimizer_impl=self.optimizer_impl)
 
 
 def resolved(cfg: Config, ctx) -> Config:
     """``cfg`` as it runs in the launch context ``ctx``: unchanged where nothing is ``auto`` (the
     runner resolves once, up front); else resolved here, for callers that build a training state
     from a config of their own (benchmarks, tests)."""
-    if cfg.channels_last is not None and "auto" not in (cfg.compile, cfg.bn_kernel, cfg.decode):
+    autos = (cfg.compile, cfg.bn_kernel, cfg.decode, cfg.optimizer_impl)
+    if cfg.channels_last is not None and "auto" not in autos:
         return cfg
     return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.half_dtype)).apply(cfg)
 
@@ -164,6 +166,18 @@ def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional
         return "--sync-bn needs torch's SyncBatchNorm (the kernels compute per-process statistics)"
     if cfg.deterministic:
         return "--deterministic runs torch's own deterministic kernels"
+    return None
+
+
+def _one_pass_fallback(cfg: Config, machine: Machine) -> Optional[str]:
+    """Why ``--optimizer-impl auto`` does not step ``--fp16``'s masters in the Triton kernels here
+    (None: it does)."""
+    if not cfg.fp16:
+        return "the kernels step --fp16's fp32 master weights, and this run has none"
+    if machine.device == "cuda" and not machine.triton:
+        return "the kernels need Triton for this GPU"
+    if cfg.clip_grad_norm is not None:
+        return "--clip-grad-norm needs the unscaled gradients beside the masters"
     return None
 
 
@@ -239,6 +253,19 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if cfg.bn_kernel == "cudnn" and cfg.half_dtype is None:
         notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve half-precision convolutions (--fp16, --amp); "
                      "in this fp32 run the Triton kernels make them")
+    optimizer_impl, why_not = cfg.optimizer_impl, _one_pass_fallback(cfg, machine)
+    if optimizer_impl == "auto":
+        optimizer_impl = ("triton" if why_not is None else "fused") if gpu else "foreach"
+        if optimizer_impl == "triton":
+            choices.append(Choice("--fp16's optimizer step in two Triton kernels",
+                                  "an inf/NaN check of the fp16 gradients, then one pass to the fp32 masters, "
+                                  "momentum and fp16 weights: 22 bytes a parameter, not torch's 40",
+                                  "--optimizer-impl fused for torch's fused SGD"))
+        elif gpu and cfg.fp16:
+            choices.append(Choice("--fp16's optimizer step on torch's fused SGD", why_not,
+                                  "--optimizer-impl foreach for torch's multi-tensor SGD"))
+    elif optimizer_impl == "triton" and why_not is not None:
+        notes.append(f"--optimizer-impl triton: torch's fused SGD steps this run, as {why_not}")
     if tune and compile_mode == "off":
         tune = False
         choices.append(Choice("--tune-kernels ignored", "nothing is compiled in this run", "--compile default"))
@@ -250,7 +277,8 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
                            jpeg=machine.jpeg)
     if cfg.decode == "auto" and not cfg.dummy and gpu:  # a CPU run decodes in its workers, as it always did
         choices.append(Choice(decode.what, decode.why, decode.flag))
-    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, tuple(choices), tuple(notes))
+    return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, optimizer_impl, tuple(choices),
+                     tuple(notes))
 
 
 def with_environment(plan: SpeedPlan, env: ProcessEnv, device: str) -> SpeedPlan:

@@ -34,6 +34,8 @@ RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 
                    # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
                    "maxpool-torch": EAGER + " --maxpool-kernel torch",
                    "maxpool-triton": EAGER + " --maxpool-kernel triton",
+                   # the same eager step with torch's fused SGD, against maxpool-torch's Triton step
+                   "maxpool-torch-fused-sgd": EAGER + " --maxpool-kernel torch --optimizer-impl fused",
                    # both Triton kernels under CUDA graphs, the fastest mode, against maxpool-torch
                    "kernels-ro": " --maxpool-kernel triton --bn-kernel triton --compile reduce-overhead",
                    # the same with the BatchNorm statistics from cuDNN's fused convolutions

@@ -1,0 +1,225 @@
+"""``--fp16``'s optimizer step as two Triton kernels (``--optimizer-impl triton``): :class:`MasterStep`.
+
+Why: torch takes four multi-tensor passes for it: the fp16 gradients copied into float32, those
+unscaled and checked for inf/NaN, its fused SGD over the float32 masters, and the masters copied
+back into the fp16 model: about 40 bytes moved a parameter. Here one kernel reads each gradient
+for the inf/NaN check (2 bytes a parameter), and a second, unless the first found one, reads the
+gradient, master and momentum and writes the master, momentum and fp16 weight (20 bytes).
+
+The arithmetic is torch's: the gradient times the inverse loss scale in float32 (its unscale),
+then its fused SGD's, in float64 as its CUDA kernel does, rounded to float32 where that kernel
+rounds; the weight is the master rounded to the model's dtype. The optimizer stays a
+``torch.optim.SGD``: each step reads its groups' settings (lr, momentum, dampening, weight decay,
+nesterov, maximize) and updates its momentum buffers in place, so schedules and checkpoints are
+unchanged. Triton has no tensor lists: the kernels find each tensor in a table of addresses, one
+program per block of one tensor; the table is rebuilt when an address changes (the gradients are
+new tensors every step, but under CUDA graphs they come back at the same addresses).
+``TRITON_INTERPRET=1`` runs the kernels on a CPU (tests).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Optional
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a torch without Triton
+    triton = None
+
+# Elements of one tensor a program, and its warps. Triton's interpreter runs programs one by one
+# in Python: larger ones there keep a CPU test of ResNet-18 to seconds a step.
+BLOCK = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+WARPS = 4
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GRAD, _MASTER, _MOMENTUM, _WEIGHT = range(4)  # the rows of the address table
+
+
+def available() -> bool:
+    """Whether the kernels can run: Triton and a CUDA GPU it compiles for, or Triton's interpreter."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
+
+
+def _bits(x: float) -> int:
+    """The bits of ``x`` as a float64, as an int64 (Triton passes a Python float as float32)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+if triton is not None:
+    @triton.jit
+    def _address(table_ptr, row, t, T, like_ptr, ALIGNED: tl.constexpr):
+        # The address of tensor t's row-th tensor, typed as like_ptr; ALIGNED: 16-byte aligned,
+        # which lets Triton use vector loads and stores.
+        address = tl.load(table_ptr + row * T + t)
+        if ALIGNED:
+            address = tl.multiple_of(address, 16)
+        return address.to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _master_check(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, grad_like, BLOCK: tl.constexpr,
+                      ALIGNED: tl.constexpr):
+        # One program: block j of tensor t's gradient; sets found_inf to 1.0 if it holds an inf or NaN.
+        t = tl.load(blocks_ptr + 2 * tl.program_id(0))
+        j = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(_address(table_ptr, 0, t, T, grad_like, ALIGNED) + offs, mask=offs < tl.load(numel_ptr + t),
+                    other=0.0).to(tl.float32)
+        bad = tl.max(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
+        tl.store(found_inf_ptr, 1.0, mask=bad > 0)
+
+    @triton.jit(do_not_specialize=["lr_bits", "decay_bits", "momentum_bits", "undamped_bits"])
+    def _master_update(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, inv_scale_ptr, grad_like, master_like,
+                       lr_bits, decay_bits, momentum_bits, undamped_bits, BLOCK: tl.constexpr,
+                       ALIGNED: tl.constexpr, DECAY: tl.constexpr, MOMENTUM: tl.constexpr,
+                       NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr):
+        # One program: block j of tensor t. Nothing is read or written when found_inf is set.
+        t = tl.load(blocks_ptr + 2 * tl.program_id(0))
+        j = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        flag = tl.load(found_inf_ptr + tl.zeros_like(offs))  # one value, as a block
+        mask = (offs < tl.load(numel_ptr + t)) & (flag == 0)
+        lr = lr_bits.to(tl.float64, bitcast=True)
+        g_ptr = _address(table_ptr, 0, t, T, grad_like, ALIGNED) + offs
+        m_ptr = _address(table_ptr, 1, t, T, master_like, ALIGNED) + offs
+        w_ptr = _address(table_ptr, 3, t, T, grad_like, ALIGNED) + offs
+        g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * tl.load(inv_scale_ptr)  # torch's unscale
+        p = tl.load(m_ptr, mask=mask, other=0.0)
+        # torch's fused SGD from here: float64 arithmetic, float32 values in between.
+        if MAXIMIZE:
+            g = -g
+        if DECAY:
+            g = (g.to(tl.float64) + decay_bits.to(tl.float64, bitcast=True) * p.to(tl.float64)).to(tl.float32)
+        if MOMENTUM:
+            momentum = momentum_bits.to(tl.float64, bitcast=True)
+            b_ptr = _address(table_ptr, 2, t, T, master_like, ALIGNED) + offs
+            b = (momentum * tl.load(b_ptr, mask=mask, other=0.0).to(tl.float64)
+                 + undamped_bits.to(tl.float64, bitcast=True) * g.to(tl.float64))
+            tl.store(b_ptr, b.to(tl.float32), mask=mask)
+            if NESTEROV:
+                g = (g.to(tl.float64) + momentum * b).to(tl.float32)
+            else:
+                g = b.to(tl.float32)
+        p = (p.to(tl.float64) - lr * g.to(tl.float64)).to(tl.float32)
+        tl.store(m_ptr, p, mask=mask)
+        tl.store(w_ptr, p.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+class _Launch:
+    """The tensors of one optimizer group whose model weights share a dtype, and their table on
+    the device: addresses (gradient, master, momentum, weight; a row each), sizes, and blocks."""
+
+    def __init__(self, group: dict, dtype: torch.dtype, rows: list, numels: list, aligned: bool,
+                 device: torch.device):
+        self.group, self.dtype, self.aligned, self.count = group, dtype, aligned, len(numels)
+        self.block, self.warps = BLOCK, WARPS
+        blocks = [v for t, n in enumerate(numels) for j in range(triton.cdiv(n, self.block)) for v in (t, j)]
+        self.programs = len(blocks) // 2
+        host = torch.tensor([a for row in rows for a in row] + numels + blocks, dtype=torch.int64)
+        if device.type == "cuda":  # from pinned memory: the copy does not make the host wait
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        T = self.count
+        self.addresses, self.numels, self.blocks = table[:4 * T], table[4 * T:5 * T], table[5 * T:]
+        self.grad_like = torch.empty(0, dtype=dtype, device=device)  # the pointer types
+        self.master_like = torch.empty(0, dtype=torch.float32, device=device)
+
+    def run(self, found_inf: torch.Tensor, inv_scale: torch.Tensor, check: bool) -> None:
+        grid, T = (self.programs,), self.count
+        if check:
+            _master_check[grid](self.blocks, self.addresses, self.numels, T, found_inf, self.grad_like,
+                                BLOCK=self.block, ALIGNED=self.aligned, num_warps=self.warps)
+            return
+        g = self.group
+        _master_update[grid](self.blocks, self.addresses, self.numels, T, found_inf, inv_scale, self.grad_like,
+                             self.master_like, _bits(g["lr"]), _bits(g["weight_decay"]), _bits(g["momentum"]),
+                             _bits(1 - g["dampening"]), BLOCK=self.block, ALIGNED=self.aligned,
+                             DECAY=g["weight_decay"] != 0, MOMENTUM=g["momentum"] != 0,
+                             NESTEROV=bool(g["nesterov"]), MAXIMIZE=bool(g.get("maximize", False)),
+                             num_warps=self.warps)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its span of memory (any order of dimensions): the kernels
+    walk its memory, not its indices."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+class MasterStep:
+    """The master-weight step of ``optimizer`` (a ``torch.optim.SGD`` over ``masters``, the float32
+    copies of the model's ``weights``, in order) as the module's two kernels.
+
+    Calling it with the overflow flag (a 1-element float32 tensor, zero) and the inverse loss
+    scale (1-element float32) checks every gradient, sets the flag on an inf or NaN, and otherwise
+    unscales the gradients and updates masters, momentum and weights. It answers None when it
+    ran, or why this step's tensors do not fit the kernels, having launched nothing. Weights
+    without a gradient this step are left alone, as torch's SGD leaves them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, weights: list, masters: list):
+        self.optimizer = optimizer
+        self.weights, self.masters = list(weights), list(masters)
+        self.rebuilds = 0  # tables built so far (tests)
+        self._key: Optional[tuple] = None
+        self._launches: list = []
+        self._why: Optional[str] = None
+
+    def _addresses(self) -> tuple:
+        """Every gradient's and momentum buffer's address (0: none): the table's key."""
+        grads = tuple(0 if w.grad is None else w.grad.data_ptr() for w in self.weights)
+        buffers = (self.optimizer.state.get(m, {}).get("momentum_buffer") for m in self.masters)
+        return grads + tuple(0 if b is None else b.data_ptr() for b in buffers)
+
+    def _build(self) -> Optional[str]:
+        """The launches for this step's tensors, or why they do not fit."""
+        index = {id(m): i for i, m in enumerate(self.masters)}
+        launches, device = [], self.masters[0].device
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                return "a learning rate held as a tensor"
+            by_dtype: dict = {}
+            for m in group["params"]:
+                i = index.get(id(m))
+                if i is None:
+                    return "the optimizer updates a tensor that is not a master weight"
+                w = self.weights[i]
+                g = w.grad
+                if g is None or w.numel() == 0:
+                    continue
+                buf = self.optimizer.state.get(m, {}).get("momentum_buffer")
+                if group["momentum"] != 0 and buf is None:
+                    return "a momentum buffer is missing"
+                tensors = (g, m, buf if buf is not None else m, w)
+                if w.dtype not in _DTYPES or g.dtype != w.dtype or m.dtype != torch.float32 or (
+                        buf is not None and buf.dtype != torch.float32):
+                    return "a gradient's, weight's or master's dtype is not the kernels'"
+                if any(x.device != device or x.stride() != w.stride() or not _dense(x) for x in tensors):
+                    return "a parameter's gradient, weight, master or momentum differ in layout or device"
+                by_dtype.setdefault(w.dtype, []).append(tensors)
+            for dtype, members in by_dtype.items():
+                rows = [[x[r].data_ptr() for x in members] for r in range(4)]
+                aligned = all(a % 16 == 0 for row in rows for a in row)
+                launches.append(_Launch(group, dtype, rows, [x[3].numel() for x in members], aligned, device))
+        self._launches = launches
+        self.rebuilds += 1
+        return None
+
+    def __call__(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> Optional[str]:
+        key = self._addresses()
+        if key != self._key:
+            self._why = self._build()
+            self._key = key
+        if self._why is not None:
+            return self._why
+        for launch in self._launches:
+            launch.run(found_inf, inv_scale, check=True)
+        for launch in self._launches:
+            launch.run(found_inf, inv_scale, check=False)
+        return None
