@@ -107,8 +107,24 @@ def compare(device="cpu") -> dict:
         weights[0].grad = weights[0].grad.clone()  # a new gradient tensor: a new table
         step(found.zero_(), inv)
         out["rebuilds"].append(step.rebuilds)
+    out["resumed"] = _after_load_state_dict(device)
     out["run"] = _run_against_torch(device)
     return out
+
+
+def _after_load_state_dict(device) -> int:
+    """``optimizer.load_state_dict`` (a resume) replaces the group dicts, and the schedule then sets
+    the new ones' lr: the kernels take it (no momentum, so no buffer's address changes either)."""
+    options = OPTIONS[2]
+    step, weights, masters, _ = _stepper(options, device, seed=7)
+    inv = torch.ones(1, device=device)
+    step(torch.zeros(1, device=device), inv)
+    step.optimizer.load_state_dict(step.optimizer.state_dict())
+    step.optimizer.param_groups[0]["lr"] = 0.7
+    before = [m.clone() for m in masters]
+    step(torch.zeros(1, device=device), inv)
+    args = options[2:]
+    return max(_ulps(m, reference(w.grad, m0, m0, inv, 0.7, *args)[0]) for w, m, m0 in zip(weights, masters, before))
 
 
 def _train(one_pass, device, data):
@@ -147,6 +163,7 @@ def _check(r: dict, ulps: int, bf16_steps: int) -> None:
         assert found == 0.0, (k, r["options"][k])
     assert all(s == [1.0, True, True] for s in r["skip"]), r["skip"]
     assert r["rebuilds"] == [1, 2] * len(OPTIONS), r["rebuilds"]
+    assert r["resumed"] <= ulps, r["resumed"]
     run = r["run"]
     assert run["used"] and run["torch_used"]
     assert run["stepped"][0] == run["stepped"][1] == [False, True, True, False, True, True], run["stepped"]

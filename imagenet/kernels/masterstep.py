@@ -172,10 +172,13 @@ class MasterStep:
         self._why: Optional[str] = None
 
     def _addresses(self) -> tuple:
-        """Every gradient's and momentum buffer's address (0: none): the table's key."""
+        """The table's key: every gradient's and momentum buffer's address (0: none), and the
+        optimizer's groups (``load_state_dict`` replaces them with new dicts, whose settings the
+        schedule then sets; the launches hold the dicts, so an id is not reused while they do)."""
         grads = tuple(0 if w.grad is None else w.grad.data_ptr() for w in self.weights)
         buffers = (self.optimizer.state.get(m, {}).get("momentum_buffer") for m in self.masters)
-        return grads + tuple(0 if b is None else b.data_ptr() for b in buffers)
+        groups = tuple(id(g) for g in self.optimizer.param_groups)
+        return grads + tuple(0 if b is None else b.data_ptr() for b in buffers) + groups
 
     def _build(self) -> Optional[str]:
         """The launches for this step's tensors, or why they do not fit."""
