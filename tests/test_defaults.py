@@ -72,7 +72,13 @@ def test_fp16_steps_in_the_triton_kernels_where_it_can_and_says_why_not_elsewher
     # a flag the user gave stays; where it cannot apply, a note says what runs instead
     assert plan_of(["DIR", "--fp16", "--optimizer-impl", "fused"], GPU).optimizer_impl == "fused"
     amp = plan_of(["DIR", "--amp", "--optimizer-impl", "triton"], GPU)
-    assert amp.optimizer_impl == "triton" and "torch's fused SGD steps this run" in " ".join(amp.notes)
+    assert amp.optimizer_impl == "fused" and "torch's fused SGD steps this run" in " ".join(amp.notes)
+    old_amp = plan_of(["DIR", "--amp", "--optimizer-impl", "triton"], OLD_GPU)
+    assert old_amp.optimizer_impl == "fused"  # the note is what runs: no error for want of Triton
+    cpu = plan_of(["DIR", "--optimizer-impl", "triton"], CPU)
+    assert cpu.optimizer_impl == "foreach" and "multi-tensor SGD steps this run" in " ".join(cpu.notes)
+    # --fp16 on a CPU asked for the kernels: the plan keeps the flag; building the optimizer says what is missing
+    assert plan_of(["DIR", "--fp16", "--optimizer-impl", "triton"], CPU).optimizer_impl == "triton"
     assert parse_config(["DIR", "--fp16"]).optimizer_impl == "auto"
 
 

@@ -12,8 +12,9 @@ rounds; the weight is the master rounded to the model's dtype. The optimizer sta
 ``torch.optim.SGD``: each step reads its groups' settings (lr, momentum, dampening, weight decay,
 nesterov, maximize) and updates its momentum buffers in place, so schedules and checkpoints are
 unchanged. Triton has no tensor lists: the kernels find each tensor in a table of addresses, one
-program per block of one tensor; the table is rebuilt when an address changes (the gradients are
-new tensors every step, but under CUDA graphs they come back at the same addresses).
+program per block of one tensor; the addresses are sent again when one changes (the gradients
+are new tensors every step, but under CUDA graphs they come back at the same addresses), the
+blocks only when the set of tensors does.
 ``TRITON_INTERPRET=1`` runs the kernels on a CPU (tests).
 """
 
@@ -64,6 +65,12 @@ if triton is not None:
         return address.to(tl.pointer_type(like_ptr.dtype.element_ty))
 
     @triton.jit
+    def _float64(bits):
+        # A float64 passed as its bits. Triton types an int by its value (0, the bits of 0.0, is an
+        # int32), so it is widened to int64 first.
+        return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+    @triton.jit
     def _master_check(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, grad_like, BLOCK: tl.constexpr,
                       ALIGNED: tl.constexpr):
         # One program: block j of tensor t's gradient; sets found_inf to 1.0 if it holds an inf or NaN.
@@ -86,7 +93,7 @@ if triton is not None:
         offs = j * BLOCK + tl.arange(0, BLOCK)
         flag = tl.load(found_inf_ptr + tl.zeros_like(offs))  # one value, as a block
         mask = (offs < tl.load(numel_ptr + t)) & (flag == 0)
-        lr = lr_bits.to(tl.float64, bitcast=True)
+        lr = _float64(lr_bits)
         g_ptr = _address(table_ptr, 0, t, T, grad_like, ALIGNED) + offs
         m_ptr = _address(table_ptr, 1, t, T, master_like, ALIGNED) + offs
         w_ptr = _address(table_ptr, 3, t, T, grad_like, ALIGNED) + offs
@@ -96,12 +103,12 @@ if triton is not None:
         if MAXIMIZE:
             g = -g
         if DECAY:
-            g = (g.to(tl.float64) + decay_bits.to(tl.float64, bitcast=True) * p.to(tl.float64)).to(tl.float32)
+            g = (g.to(tl.float64) + _float64(decay_bits) * p.to(tl.float64)).to(tl.float32)
         if MOMENTUM:
-            momentum = momentum_bits.to(tl.float64, bitcast=True)
+            momentum = _float64(momentum_bits)
             b_ptr = _address(table_ptr, 2, t, T, master_like, ALIGNED) + offs
             b = (momentum * tl.load(b_ptr, mask=mask, other=0.0).to(tl.float64)
-                 + undamped_bits.to(tl.float64, bitcast=True) * g.to(tl.float64))
+                 + _float64(undamped_bits) * g.to(tl.float64))
             tl.store(b_ptr, b.to(tl.float32), mask=mask)
             if NESTEROV:
                 g = (g.to(tl.float64) + momentum * b).to(tl.float32)
@@ -112,24 +119,42 @@ if triton is not None:
         tl.store(w_ptr, p.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-class _Launch:
-    """The tensors of one optimizer group whose model weights share a dtype, and their table on
-    the device: addresses (gradient, master, momentum, weight; a row each), sizes, and blocks."""
+def _blocks(numels: list, block: int) -> torch.Tensor:
+    """(tensor, block of it) for every program, flattened, int64: ``block`` elements a program."""
+    counts = (torch.tensor(numels, dtype=torch.int64) + block - 1) // block
+    first = torch.cumsum(counts, 0) - counts
+    tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    return torch.stack([tensor, torch.arange(int(counts.sum())) - first[tensor]], 1).reshape(-1)
 
-    def __init__(self, group: dict, dtype: torch.dtype, rows: list, numels: list, aligned: bool,
-                 device: torch.device):
-        self.group, self.dtype, self.aligned, self.count = group, dtype, aligned, len(numels)
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # from pinned memory: the copy does not make the host wait
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class _Launch:
+    """The tensors of one optimizer group whose model weights share a dtype: their sizes and
+    programs on the device (made once), and their addresses (gradient, master, momentum, weight;
+    a row each), set by :meth:`point` whenever one changes."""
+
+    def __init__(self, group: dict, dtype: torch.dtype, numels: list, device: torch.device):
+        self.group, self.dtype, self.device, self.count = group, dtype, device, len(numels)
         self.block, self.warps = BLOCK, WARPS
-        blocks = [v for t, n in enumerate(numels) for j in range(triton.cdiv(n, self.block)) for v in (t, j)]
-        self.programs = len(blocks) // 2
-        host = torch.tensor([a for row in rows for a in row] + numels + blocks, dtype=torch.int64)
-        if device.type == "cuda":  # from pinned memory: the copy does not make the host wait
-            host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-        T = self.count
-        self.addresses, self.numels, self.blocks = table[:4 * T], table[4 * T:5 * T], table[5 * T:]
+        blocks = _blocks(numels, self.block)
+        self.programs = blocks.numel() // 2
+        sizes = _to_device(torch.cat([torch.tensor(numels, dtype=torch.int64), blocks]), device)
+        self.numels, self.blocks = sizes[:self.count], sizes[self.count:]
         self.grad_like = torch.empty(0, dtype=dtype, device=device)  # the pointer types
         self.master_like = torch.empty(0, dtype=torch.float32, device=device)
+        self.addresses: Optional[torch.Tensor] = None
+        self.aligned = False
+
+    def point(self, rows: list) -> None:
+        """Take this step's addresses: ``rows`` of gradients, masters, momentum, weights."""
+        flat = [a for row in rows for a in row]
+        self.aligned = all(a % 16 == 0 for a in flat)  # vector loads and stores where all are
+        self.addresses = _to_device(torch.tensor(flat, dtype=torch.int64), self.device)
 
     def run(self, found_inf: torch.Tensor, inv_scale: torch.Tensor, check: bool) -> None:
         grid, T = (self.programs,), self.count
@@ -152,6 +177,12 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
+def _same_layout(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x`` lays out its elements in memory as ``w`` does (same shape; the strides of
+    dimensions of size 1 never matter, and autograd's gradients may differ there)."""
+    return x.shape == w.shape and all(a == b for a, b, n in zip(x.stride(), w.stride(), w.shape) if n > 1)
+
+
 class MasterStep:
     """The master-weight step of ``optimizer`` (a ``torch.optim.SGD`` over ``masters``, the float32
     copies of the model's ``weights``, in order) as the module's two kernels.
@@ -169,21 +200,23 @@ class MasterStep:
         self.rebuilds = 0  # tables built so far (tests)
         self._key: Optional[tuple] = None
         self._launches: list = []
+        self._plans: dict = {}  # (group, dtype, members) -> its _Launch
         self._why: Optional[str] = None
 
     def _addresses(self) -> tuple:
         """The table's key: every gradient's and momentum buffer's address (0: none), and the
         optimizer's groups (``load_state_dict`` replaces them with new dicts, whose settings the
-        schedule then sets; the launches hold the dicts, so an id is not reused while they do)."""
+        schedule then sets; the launches hold the dicts, so an id is not reused while they do)
+        with whether each has momentum (a group given momentum needs its buffers in the table)."""
         grads = tuple(0 if w.grad is None else w.grad.data_ptr() for w in self.weights)
         buffers = (self.optimizer.state.get(m, {}).get("momentum_buffer") for m in self.masters)
-        groups = tuple(id(g) for g in self.optimizer.param_groups)
+        groups = tuple((id(g), g["momentum"] != 0) for g in self.optimizer.param_groups)
         return grads + tuple(0 if b is None else b.data_ptr() for b in buffers) + groups
 
     def _build(self) -> Optional[str]:
         """The launches for this step's tensors, or why they do not fit."""
         index = {id(m): i for i, m in enumerate(self.masters)}
-        launches, device = [], self.masters[0].device
+        launches, plans, device = [], {}, self.masters[0].device
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):
                 return "a learning rate held as a tensor"
@@ -203,14 +236,17 @@ class MasterStep:
                 if w.dtype not in _DTYPES or g.dtype != w.dtype or m.dtype != torch.float32 or (
                         buf is not None and buf.dtype != torch.float32):
                     return "a gradient's, weight's or master's dtype is not the kernels'"
-                if any(x.device != device or x.stride() != w.stride() or not _dense(x) for x in tensors):
+                if any(x.device != device or not _same_layout(x, w) or not _dense(x) for x in tensors):
                     return "a parameter's gradient, weight, master or momentum differ in layout or device"
-                by_dtype.setdefault(w.dtype, []).append(tensors)
+                by_dtype.setdefault(w.dtype, []).append((i, tensors))
             for dtype, members in by_dtype.items():
-                rows = [[x[r].data_ptr() for x in members] for r in range(4)]
-                aligned = all(a % 16 == 0 for row in rows for a in row)
-                launches.append(_Launch(group, dtype, rows, [x[3].numel() for x in members], aligned, device))
-        self._launches = launches
+                # the sizes and programs stay while the same tensors step; only addresses change
+                key = (id(group), dtype, tuple(i for i, _ in members))
+                launch = self._plans.get(key) or _Launch(group, dtype, [x[3].numel() for _, x in members], device)
+                launch.point([[x[r].data_ptr() for _, x in members] for r in range(4)])
+                plans[key] = launch
+                launches.append(launch)
+        self._launches, self._plans = launches, plans
         self.rebuilds += 1
         return None
 

@@ -59,8 +59,8 @@ def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: floa
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
     except (RuntimeError, ValueError, TypeError) as e:
         if asked != "auto":
-            raise UserError(f"--optimizer-impl {impl} cannot run on {device} with torch {torch.__version__} ({e}); "
-                            "use --optimizer-impl auto") from None
+            raise UserError(f"--optimizer-impl {asked} cannot run on {device} with torch {torch.__version__} ({e}); "
+                            "use --optimizer-impl foreach") from None
         # An older torch without fused SGD here: the multi-tensor one, skip decided on the host.
         impl = "foreach"
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)

@@ -265,7 +265,9 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
             choices.append(Choice("--fp16's optimizer step on torch's fused SGD", why_not,
                                   "--optimizer-impl foreach for torch's multi-tensor SGD"))
     elif optimizer_impl == "triton" and why_not is not None:
-        notes.append(f"--optimizer-impl triton: torch's fused SGD steps this run, as {why_not}")
+        optimizer_impl = "fused" if gpu else "foreach"
+        notes.append(f"--optimizer-impl triton: torch's {'fused' if gpu else 'multi-tensor'} SGD steps this run, as "
+                     f"{why_not}")
     if tune and compile_mode == "off":
         tune = False
         choices.append(Choice("--tune-kernels ignored", "nothing is compiled in this run", "--compile default"))
