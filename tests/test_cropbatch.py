@@ -4,10 +4,6 @@ The kernel runs under Triton's interpreter on a CPU (in a subprocess: TRITON_INT
 when the kernel is defined), compiled on a GPU.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +17,8 @@ from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.loaders import build_datasets, collate_skipping
 from imagenet.data.transforms import resize_on_device, set_output_size
 from imagenet.kernels import gpugeometry
-from tests.helpers import photo
+from tests.helpers import interpreted, photo
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(375, 500), (500, 375), (97, 131), (64, 64), (240, 180)]
 
 
@@ -73,12 +68,7 @@ def test_kernel_resizes_the_workers_crops_as_pil_does_under_the_interpreter(tmp_
     pytest.importorskip("triton")
     # 30 px: 900 output pixels an image, 3.5 of the kernel's blocks (gpugeometry.BLOCK), so a
     # partial last block is still covered; the interpreter takes 3 s where 56 px took 10
-    code = ("import json, sys; sys.path.insert(0, '.'); import tests.test_cropbatch as t; "
-            f"print(json.dumps(t.against_pil({str(tmp_path)!r}, size=30)))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    check(json.loads(r.stdout.strip().splitlines()[-1]), len(SHAPES) + 2, size=30)
+    check(interpreted("test_cropbatch", f"against_pil({str(tmp_path)!r}, size=30)"), len(SHAPES) + 2, size=30)
     assert (30 * 30) % gpugeometry.BLOCK, "30 px no longer leaves a partial last block"
 
 

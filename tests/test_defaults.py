@@ -231,7 +231,7 @@ def test_a_gpu_machine_looks_at_the_images_only_for_decode_auto(monkeypatch, tmp
 
     from imagenet.parallel.distributed import DistContext
     monkeypatch.setattr("imagenet.training.defaults.gpu_decoder_available", lambda: True)
-    monkeypatch.setattr("imagenet.kernels.fusedbn.available", lambda: True)
+    monkeypatch.setattr("imagenet.kernels.compiles.available", lambda: True)
     (tmp_path / "train" / "a").mkdir(parents=True)
     (tmp_path / "train" / "a" / "0.png").write_bytes(b"")
     gpu = DistContext("gpu", torch.device("cuda", 0), "test")

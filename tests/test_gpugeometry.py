@@ -4,16 +4,13 @@ On a CPU the Triton kernel itself runs under Triton's interpreter (TRITON_INTERP
 subprocess: the variable is read when the kernel is defined); on a GPU, compiled.
 """
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import interpreted
+
 pytest.importorskip("triton")
 
 
@@ -74,13 +71,7 @@ def compare(seed=0, n=9, size=20, device="cpu") -> dict:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the compiled kernel is tested instead")
 def test_kernel_matches_torchs_per_image_resize_under_the_interpreter():
-    code = ("import json, sys; sys.path.insert(0, '.'); import tests.test_gpugeometry as t; "
-            "print(json.dumps(t.compare(seed=3)))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = interpreted("test_gpugeometry", "compare(seed=3)")
     # one 2-D pass where torch makes two 1-D ones: float rounding moves a rare pixel by one level
     assert res["max"] <= 1 and res["frac_off"] < 0.01 and res["ready_equal"], res
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from imagenet.base.errors import UserError
-from imagenet.kernels import masterstep
+from imagenet.kernels import compiles, masterstep
 from imagenet.precision import LossScaler, MasterWeightPrecision
 from imagenet.precision.optim import build_optimizer, param_groups
 from tests.helpers import batches, fp16_run_args, fused_or_skip, interpreted, last_checkpoint, small_net
@@ -210,7 +210,7 @@ def test_a_step_that_does_not_fit_says_why_and_launches_nothing():
     assert float(found) == 0.0
 
 
-@pytest.mark.skipif(masterstep.available(), reason="the kernels can run here")
+@pytest.mark.skipif(compiles.available(), reason="the kernels can run here")
 def test_asking_for_the_kernels_without_them_is_a_clear_error():
     with pytest.raises(UserError, match="--optimizer-impl triton needs Triton and a CUDA GPU"):
         build_optimizer([{"params": [torch.zeros(2, requires_grad=True)]}], 0.1, 0.9, 0.0, "triton",

@@ -5,6 +5,7 @@
 * ``convstats`` -- a convolution that also makes its output's per-channel sums, through a cuDNN
   fusion graph (``--bn-kernel cudnn``; the optional nvidia-cudnn-frontend package).
 * ``maxpool`` -- the stem's 3x3/2 max-pool on channels_last tensors (``--maxpool-kernel``).
+* ``compiles`` -- whether the Triton kernels can run here (``available``), asked by the others.
 * ``masterstep`` -- ``--fp16``'s optimizer step (inf/NaN check, unscale, SGD on the fp32 masters,
   the fp16 weights written) in two kernels over all parameters (``--optimizer-impl triton``); not
   an op, as it runs outside the compiled model, and torch's four passes are its fallback.

@@ -108,16 +108,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_NONE, MASK_FROM_BITS, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
 
 
-def available() -> bool:
-    """Whether the kernels can run: Triton and a CUDA GPU of compute capability 7.0 or later
-    (Inductor's minimum), or Triton's interpreter."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
-
-
 def takes(x: torch.Tensor, bn: nn.Module) -> bool:
     """Whether ``bn(x)`` (with its add and ReLU) goes through the kernels."""
     return (triton is not None and bn.training and type(bn) is nn.BatchNorm2d and bn.affine

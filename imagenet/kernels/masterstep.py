@@ -37,16 +37,6 @@ except ImportError:  # pragma: no cover - a torch without Triton
 BLOCK = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 WARPS = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_GRAD, _MASTER, _MOMENTUM, _WEIGHT = range(4)  # the rows of the address table
-
-
-def available() -> bool:
-    """Whether the kernels can run: Triton and a CUDA GPU it compiles for, or Triton's interpreter."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
 
 
 def _bits(x: float) -> int:
@@ -57,8 +47,9 @@ def _bits(x: float) -> int:
 if triton is not None:
     @triton.jit
     def _address(table_ptr, row, t, T, like_ptr, ALIGNED: tl.constexpr):
-        # The address of tensor t's row-th tensor, typed as like_ptr; ALIGNED: 16-byte aligned,
-        # which lets Triton use vector loads and stores.
+        # The address of tensor t's row-th tensor (rows: 0 gradient, 1 master, 2 momentum, 3
+        # weight), typed as like_ptr; ALIGNED: 16-byte aligned, which lets Triton use vector
+        # loads and stores.
         address = tl.load(table_ptr + row * T + t)
         if ALIGNED:
             address = tl.multiple_of(address, 16)
@@ -139,7 +130,7 @@ class _Launch:
     a row each), set by :meth:`point` whenever one changes."""
 
     def __init__(self, group: dict, dtype: torch.dtype, numels: list, device: torch.device):
-        self.group, self.dtype, self.device, self.count = group, dtype, device, len(numels)
+        self.group, self.device, self.count = group, device, len(numels)
         self.block, self.warps = BLOCK, WARPS
         blocks = _blocks(numels, self.block)
         self.programs = blocks.numel() // 2
@@ -199,8 +190,7 @@ class MasterStep:
         self.weights, self.masters = list(weights), list(masters)
         self.rebuilds = 0  # tables built so far (tests)
         self._key: Optional[tuple] = None
-        self._launches: list = []
-        self._plans: dict = {}  # (group, dtype, members) -> its _Launch
+        self._plans: dict = {}  # (group, dtype, members) -> its _Launch, in launch order
         self._why: Optional[str] = None
 
     def _addresses(self) -> tuple:
@@ -216,7 +206,7 @@ class MasterStep:
     def _build(self) -> Optional[str]:
         """The launches for this step's tensors, or why they do not fit."""
         index = {id(m): i for i, m in enumerate(self.masters)}
-        launches, plans, device = [], {}, self.masters[0].device
+        plans, device = {}, self.masters[0].device
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):
                 return "a learning rate held as a tensor"
@@ -245,8 +235,7 @@ class MasterStep:
                 launch = self._plans.get(key) or _Launch(group, dtype, [x[3].numel() for _, x in members], device)
                 launch.point([[x[r].data_ptr() for _, x in members] for r in range(4)])
                 plans[key] = launch
-                launches.append(launch)
-        self._launches, self._plans = launches, plans
+        self._plans = plans
         self.rebuilds += 1
         return None
 
@@ -257,8 +246,8 @@ class MasterStep:
             self._key = key
         if self._why is not None:
             return self._why
-        for launch in self._launches:
+        for launch in self._plans.values():
             launch.run(found_inf, inv_scale, check=True)
-        for launch in self._launches:
+        for launch in self._plans.values():
             launch.run(found_inf, inv_scale, check=False)
         return None

@@ -44,16 +44,6 @@ BACKWARD_P, BACKWARD_WARPS = 32, 2  # the backward: windows per program, warps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def available() -> bool:
-    """Whether the kernels can run: Triton and a CUDA GPU it compiles for (compute capability 7.0
-    or later, as Inductor requires), or Triton's interpreter."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 7
-
-
 def takes(x: torch.Tensor) -> bool:
     """Whether ``x`` (the max-pool's input) goes through the kernels."""
     return (triton is not None and (x.is_cuda or _INTERPRETED) and x.dim() == 4 and x.dtype in _DTYPES

@@ -16,10 +16,9 @@ from ..base.errors import UserError
 from ..base.torch_private import inductor_tune_kernels
 from ..base.wrappers import strip_prefix, unwrap
 from ..kernels import convstats
+from ..kernels.compiles import available as kernels_available
 from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels, uses_conv_stats
-from ..kernels.fusedbn import available as bn_kernels_available
 from ..kernels.maxpool import StemMaxPool, is_stem_pool
-from ..kernels.maxpool import available as maxpool_kernels_available
 from .stem import pad_stem
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ def use_stem_kernels(kind: str, device: torch.device, channels_last: bool, small
     ``triton`` where they cannot run is a UserError (``auto`` then quietly uses torch's)."""
     if kind == "torch" or small_stem:
         return False
-    runs = device.type == "cuda" and maxpool_kernels_available()
+    runs = device.type == "cuda" and kernels_available()
     if kind == "triton" and not runs:
         why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
         raise UserError(f"--maxpool-kernel triton needs a CUDA GPU and Triton; {why}: use --maxpool-kernel auto")
@@ -84,7 +83,7 @@ def use_bn_kernels(kind: str, device: torch.device) -> bool:
     for them and they cannot run). Triton's interpreter (TRITON_INTERPRET=1) runs them on a CPU."""
     if kind == "torch":
         return False
-    if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and bn_kernels_available()):
+    if not ((device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and kernels_available()):
         why = f"this run is on {device}" if device.type != "cuda" else "this torch has no Triton, or the GPU is too old"
         raise UserError(f"--bn-kernel {kind} needs a CUDA GPU and Triton; {why}: use --bn-kernel torch")
     try:

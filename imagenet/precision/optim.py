@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.torch_private import takes_found_inf
-from ..kernels import masterstep
+from ..kernels.compiles import available as kernels_available
 
 IMPLS = ("auto", "triton", "fused", "foreach")
 
@@ -50,7 +50,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: float, impl: str,
                     device: torch.device) -> torch.optim.SGD:
     """SGD over ``groups`` (tensors on ``device``) with the implementation ``impl`` resolves to."""
-    if impl == "triton" and not masterstep.available():
+    if impl == "triton" and not kernels_available():
         raise UserError(f"--optimizer-impl triton needs Triton and a CUDA GPU it compiles for (here: {device}, "
                         f"torch {torch.__version__}); use --optimizer-impl auto")
     asked, impl = impl, resolve_impl(impl, device)

@@ -74,7 +74,7 @@ class Machine:
         import torch
 
         from ..kernels.convstats import why_unavailable
-        from ..kernels.fusedbn import available
+        from ..kernels.compiles import available
         cuda = ctx.device.type == "cuda"
         gpus_per_process = len(ctx.device_ids) if ctx.mode == "dp" else 1
         gpus_here = local_processes(ctx) * gpus_per_process
