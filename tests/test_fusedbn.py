@@ -220,6 +220,83 @@ def compare_models(device: str = "cpu") -> dict:
     return out
 
 
+def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> list:
+    """bn_act with the statistics made inside the normalise from the convolutions' sums (one
+    kernel) against the two kernels it replaces (statistics_from_sums, then the normalise):
+    output, gradients, running statistics and batch counts, which must be the same bits; and
+    whether the one-kernel path ran without the statistics' op. Layers with one and several row
+    blocks and channel blocks; without a residual, with one, and with a shortcut BatchNorm,
+    forked."""
+    import copy
+    from imagenet.kernels import fusedbn
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    cl = dict(memory_format=torch.channels_last)
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        for shape in ((2, 5, 3, 3), (2, 130, 1, 2), (2, 64, 16, 16)):
+            for kind in ("plain", "residual", "shortcut"):
+                c = shape[1]
+                x = (torch.randn(shape, generator=g) * 2 + 1).to(device, dt).contiguous(**cl)
+                raw = (torch.randn(shape, generator=g) * 3 - 1).to(device, dt).contiguous(**cl)
+                bn, rbn = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+                for m in (bn, rbn):
+                    with torch.no_grad():
+                        m.weight.uniform_(0.5, 1.5, generator=g)
+                        m.bias.normal_(generator=g)
+                        m.running_mean.fill_(0.3)
+                        m.num_batches_tracked.fill_(7)
+                bn, rbn = bn.to(device), rbn.to(device)
+
+                def sums_of(t):
+                    t32 = t.float()
+                    return t32.sum((0, 2, 3)), t32.square().sum((0, 2, 3))
+
+                dy = torch.randn(shape, generator=g).to(device, dt).contiguous(**cl)
+                dy2 = torch.randn(shape, generator=g).to(device, dt).contiguous(**cl)
+                results = []
+                for path in ("two kernels", "one kernel"):
+                    b, rb = copy.deepcopy(bn), copy.deepcopy(rbn)
+                    xi = x.clone().requires_grad_(True)
+                    ri = raw.clone().requires_grad_(True)
+                    fork = kind == "shortcut"
+                    residual = ri if kind != "plain" else None
+                    residual_bn = (rb, sums_of(raw)) if kind == "shortcut" else None
+                    calls = []
+                    if path == "two kernels":  # bn_act before the statistics moved into the normalise
+                        mean, invstd = fusedbn._statistics(xi, b, sums_of(x))
+                        shortcut = (rb.weight, rb.bias, *fusedbn._statistics(ri, rb, sums_of(raw))) if fork \
+                            else (None,) * 4
+                        inputs = (xi, b.weight, b.bias, residual, mean, invstd, True, *shortcut)
+                        y = fusedbn._ForkedBnAct.apply(*inputs) if fork else fusedbn.bn_act_op(*inputs)[0]
+                    else:
+                        before = fusedbn._statistics
+                        fusedbn._statistics = lambda *a: calls.append(1) or before(*a)
+                        try:
+                            y = fusedbn.bn_act(xi, b, residual, True, fork, sums=sums_of(x), residual_bn=residual_bn)
+                        finally:
+                            fusedbn._statistics = before
+                    if fork:
+                        torch.autograd.backward(y, (dy, dy2))
+                        y = y[0]
+                    else:
+                        y.backward(dy)
+                    grads = [xi.grad, b.weight.grad, b.bias.grad]
+                    if kind != "plain":
+                        grads.append(ri.grad)
+                    if fork:
+                        grads += [rb.weight.grad, rb.bias.grad]
+                    buffers = [b.running_mean, b.running_var, b.num_batches_tracked]
+                    if fork:
+                        buffers += [rb.running_mean, rb.running_var, rb.num_batches_tracked]
+                    results.append(([y.detach()] + grads + buffers, calls))
+                (a, _), (bb, calls) = results
+                rows.append({"case": f"{dtype} {list(shape)} {kind}", "same": [bool(torch.equal(p, q)) for p, q in
+                                                                               zip(a, bb)],
+                             "count": int(bb[-1]), "statistics_ops": len(calls)})
+    return rows
+
+
 def _interpreted(code: str) -> subprocess.Popen:
     """A child under Triton's interpreter that runs ``code`` after ``import tests.test_fusedbn as t``
     and prints its result as JSON."""
@@ -271,6 +348,7 @@ def interpreter_runs(tmp_path_factory):
             runs["models"] = _interpreted("print(json.dumps(t.compare_models()))")
             runs["bits"] = _interpreted("print(json.dumps(t.mask_bits_against_outputs()))")
             runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled()))")
+            runs["from-sums"] = _interpreted("print(json.dumps(t.compare_from_sums()))")
             runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
             runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
             runs.out = out
@@ -282,6 +360,18 @@ def interpreter_runs(tmp_path_factory):
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
 def test_layers_match_torch_under_the_interpreter(interpreter_runs):
     _check_layers(interpreter_runs.json("layers"))
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
+def test_the_statistics_made_in_the_normalise_are_the_two_kernels_bits_under_the_interpreter(interpreter_runs):
+    _check_from_sums(interpreter_runs.json("from-sums"), 2)
+
+
+def _check_from_sums(rows, dtypes: int):
+    assert len(rows) == 9 * dtypes, rows
+    for r in rows:
+        assert all(r["same"]) and r["statistics_ops"] == 0, r
+        assert r["count"] == 8, r  # each BatchNorm's count moved once (from 7)
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
@@ -523,6 +613,8 @@ def kernel_runs(tmp_path_factory):
                 runs.start(f"inductor-{mode}", _on_gpu(f"print(json.dumps(t.compare_compiled('cuda', 'inductor', "
                                                        f"{mode!r}, steps=3)))", tf32=False), env)
             runs.start("resnet50-layers", _on_gpu("print(json.dumps(t.compare_resnet50_layers()))"), env)
+            runs.start("from-sums", _on_gpu("print(json.dumps(t.compare_from_sums('cuda', ('float16', "
+                                            "'bfloat16', 'float32'))))"), env)
             yield runs
         finally:
             runs.stop()
@@ -565,3 +657,8 @@ def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(kernel_runs):
     for name, r in kernel_runs.json("models").items():
         assert r["fused"] and r["same_keys"] and r["err"] < 1e-3, (name, r)
         assert r["two_gradients"] == r["blocks"] - 1, (name, r)
+
+
+@gpu
+def test_the_statistics_made_in_the_normalise_are_the_two_kernels_bits_on_the_gpu(kernel_runs):
+    _check_from_sums(kernel_runs.json("from-sums"), 3)

@@ -5,7 +5,7 @@ Every convolution of a ResNet block feeds a training-mode BatchNorm, whose first
 convolution's output only sums it per channel. cuDNN's runtime-fusion engines can add those sums
 to the convolution itself (a ``conv_fprop`` node followed by ``genstats``, through the optional
 ``nvidia-cudnn-frontend`` package), so the output is not read again for its statistics. The
-BatchNorm then takes its mean and variance from the two sums (:func:`imagenet.kernels.fusedbn.bn_act`).
+BatchNorm's normalise then makes its mean and variance from the two sums (:func:`imagenet.kernels.fusedbn.bn_act`).
 The variance is E[y^2] - E[y]^2 in float32, as NVIDIA's MLPerf kernels compute it.
 
 Each shape's graph is built once per process, outside CUDA graph capture (torch.compile's CUDA

@@ -20,8 +20,9 @@ and its gradient sums come out of the add's own gradient-sums pass. Arithmetic i
 stored tensor is rounded once; running statistics follow torch's rule.
 
 With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
-output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and one small
-kernel turns them into the mean and 1/std (:func:`conv_bn_act`).
+output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and the normalise
+turns them into the mean and 1/std itself (:func:`normalise_from_sums`: no kernel between the
+convolution and the normalise; :func:`conv_bn_act`).
 
 The kernels are ``torch.library`` custom ops, so ``torch.compile`` keeps them and CUDA graphs
 capture them. Only channels_last CUDA tensors (or ``TRITON_INTERPRET=1``) of a plain
@@ -173,19 +174,19 @@ if triton is not None:
             m2 = m2 + tile_m2 + delta * delta * n * frac
             n = total
         _store_statistics(mean, m2 / M, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT)
+                          momentum, COUNT, tl.program_id(0) == 0)
 
     @triton.jit
     def _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT: tl.constexpr):
+                          momentum, COUNT: tl.constexpr, counts):
         # The batch's mean and 1/std, and torch's running-statistics update (unbiased variance);
-        # with COUNT, the first program adds the batch to BatchNorm's count (a kernel of its own
-        # per layer otherwise)
+        # with COUNT, the one program whose ``counts`` is true adds the batch to BatchNorm's count
+        # (a kernel of its own per layer otherwise)
         if COUNT:
-            if tl.program_id(0) == 0:
+            if counts:
                 tl.store(batches_ptr, tl.load(batches_ptr) + 1)
         tl.store(mean_ptr + c, mean, mask=c_ok)
-        tl.store(invstd_ptr + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+        tl.store(invstd_ptr + c, _invstd(var, eps), mask=c_ok)
         rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
@@ -199,35 +200,79 @@ if triton is not None:
         # (imagenet.kernels.convstats): E[y^2] - E[y]^2, then torch's running-statistics update.
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        mean = tl.load(sum_ptr + c, mask=c_ok, other=0.0) / M
-        var = tl.maximum(tl.load(sq_ptr + c, mask=c_ok, other=0.0) / M - mean * mean, 0.0)
+        mean, var = _moments(sum_ptr, sq_ptr, M, c, c_ok)
         _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT)
+                          momentum, COUNT, tl.program_id(0) == 0)
+
+    @triton.jit
+    def _moments(sum_ptr, sq_ptr, M, c, c_ok):
+        # (mean, variance) of M values a channel from their sum and sum of squares: E[y^2] - E[y]^2
+        mean = tl.load(sum_ptr + c, mask=c_ok, other=0.0) / M
+        return mean, tl.maximum(tl.load(sq_ptr + c, mask=c_ok, other=0.0) / M - mean * mean, 0.0)
+
+    @triton.jit
+    def _invstd(var, eps):
+        # the one expression of 1/std: the statistics stored for the backward and those a
+        # normalise computes for itself (:func:`_batch_statistics`) are the same bits
+        return 1.0 / tl.sqrt(var + eps)
+
+    @triton.jit
+    def _batch_statistics(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, eps, momentum,
+                          c, c_ok, COUNT: tl.constexpr):
+        # Inside a normalise over [M, C]: the batch's (mean, 1/std) of this program's channels from
+        # the convolution's sums, made by every program (a few operations a channel) instead of by
+        # a kernel of their own; the first row block's programs store them for the backward and
+        # update the running statistics, its first program the batch count.
+        mean, var = _moments(sum_ptr, sq_ptr, M, c, c_ok)
+        if tl.program_id(0) == 0:
+            _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
+                              momentum, COUNT, tl.program_id(1) == 0)
+        return mean, _invstd(var, eps)
+
+    @triton.jit
+    def _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok):
+        # BatchNorm as x * scale + shift per channel
+        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
+        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+        return scale, shift
 
     @triton.jit
     def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
-        # BatchNorm as x * scale + shift per channel; the forward and the backward's mask use this one.
+        # :func:`_scale_shift` of stored statistics; the forward and the backward's mask use this one.
         invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
         mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
-        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+        scale, shift = _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok)
         return mean, invstd, scale, shift
 
     @triton.jit
     def _apply(x_ptr, r_ptr, y_ptr, bits_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, rmean_ptr, rinvstd_ptr, rw_ptr,
-               rb_ptr, M, C, NW, HAS_RES: tl.constexpr, RES_BN: tl.constexpr, RELU: tl.constexpr,
-               BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+               rb_ptr, sum_ptr, sq_ptr, run_mean_ptr, run_var_ptr, batches_ptr, rsum_ptr, rsq_ptr, rrun_mean_ptr,
+               rrun_var_ptr, rbatches_ptr, M, C, NW, eps, momentum, reps, rmomentum, HAS_RES: tl.constexpr,
+               RES_BN: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, SUMS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+        # With SUMS, the statistics (this BatchNorm's and the shortcut's) are made here from the
+        # convolutions' sums and stored (:func:`_batch_statistics`); else they are read.
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = c < C
         mask = (r < M)[:, None] & c_ok[None, :]
-        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
+        if SUMS:
+            mean, invstd = _batch_statistics(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, run_mean_ptr, run_var_ptr,
+                                             batches_ptr, M, eps, momentum, c, c_ok, True)
+            scale, shift = _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok)
+        else:
+            _, _, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
         if HAS_RES:
             res = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if RES_BN:  # the shortcut's BatchNorm, applied as its raw input is loaded
-                _, _, rscale, rshift = _affine(rmean_ptr, rinvstd_ptr, rw_ptr, rb_ptr, c, c_ok)
+                if SUMS:
+                    rmean, rinvstd = _batch_statistics(rsum_ptr, rsq_ptr, rmean_ptr, rinvstd_ptr, rrun_mean_ptr,
+                                                       rrun_var_ptr, rbatches_ptr, M, reps, rmomentum, c, c_ok, True)
+                    rscale, rshift = _scale_shift(rmean, rinvstd, rw_ptr, rb_ptr, c, c_ok)
+                else:
+                    _, _, rscale, rshift = _affine(rmean_ptr, rinvstd_ptr, rw_ptr, rb_ptr, c, c_ok)
                 res = res * rscale[None, :] + rshift[None, :]
             z += res
         if RELU:
@@ -437,12 +482,53 @@ def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.T
     return mean, invstd
 
 
+class Sums(NamedTuple):
+    """A BatchNorm's batch statistics still as its input's per-channel float32 (sum, sum of
+    squares), made by the convolution before it (:mod:`imagenet.kernels.convstats`), with what the
+    normalise that turns them into statistics updates: the running statistics and batch count, by
+    the BatchNorm's momentum; and its eps."""
+    sums: torch.Tensor
+    squares: torch.Tensor
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    batches: torch.Tensor
+    momentum: float
+    eps: float
+
+
 def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
               weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional[Shortcut] = None) -> tuple:
     """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
     the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
     alone no longer tells), else an empty tensor). With ``shortcut``, ``residual`` is the raw
     input of that BatchNorm, normalised here as it is loaded (never written normalised)."""
+    return _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut or Shortcut(weight, bias, mean, invstd),
+                      shortcut is not None, None, None)
+
+
+def normalise_from_sums(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
+                        relu: bool, sums: Sums, shortcut: Optional[tuple] = None) -> tuple:
+    """:func:`normalise` with the batch's statistics made in the same kernel from ``sums`` (no kernel
+    of their own: every program turns its channels' sums into mean and 1/std, the first row's
+    programs store them and update the running statistics, as :func:`statistics_from_sums`
+    does, bit for bit). ``shortcut``: (its weight, its bias, its :class:`Sums`) where ``residual``
+    is that BatchNorm's raw input. Returns (y, bits, mean, 1/std, and the shortcut's mean and
+    1/std or None)."""
+    c = x.shape[1]
+    mean, invstd = x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
+    sc, res_sums = None, None
+    if shortcut is not None:
+        sc = Shortcut(shortcut[0], shortcut[1], torch.empty_like(mean), torch.empty_like(mean))
+        res_sums = shortcut[2]
+    y, bits = _normalise(x, residual, mean, invstd, weight, bias, relu, sc or Shortcut(weight, bias, mean, invstd),
+                         sc is not None, sums, res_sums or sums)
+    return y, bits, mean, invstd, (sc.mean if sc else None), (sc.invstd if sc else None)
+
+
+def _normalise(x, residual, mean, invstd, weight, bias, relu: bool, sc: Shortcut, res_bn: bool,
+               sums: Optional[Sums], res_sums: Optional[Sums]) -> tuple:
+    """The one launch of :func:`_apply` for both of the above (``sc`` and ``res_sums`` are unread
+    where ``res_bn`` is false, ``res_sums`` and ``sums`` where ``sums`` is None)."""
     n, c, h, w = x.shape
     m = n * h * w
     launch = LAUNCH["apply"]
@@ -450,13 +536,16 @@ def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Ten
     y = torch.empty_like(x, memory_format=torch.channels_last)
     with_bits = _mask_kind(relu, residual is not None) == MASK_FROM_BITS
     bits = mask_bits(x) if with_bits else x.new_empty(0, dtype=torch.int32)
-    sc = shortcut or Shortcut(weight, bias, mean, invstd)  # unread without a shortcut BatchNorm
     xs = _rows(x)
+    st = sums or Sums(mean, invstd, mean, invstd, mean, 0.0, 0.0)  # unread without sums
+    rst = res_sums or st
     _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
         xs, _rows(residual) if residual is not None else xs, _rows(y), bits if with_bits else xs, mean, invstd,
-        weight, bias, sc.mean, sc.invstd, sc.weight, sc.bias, m, c, bits.shape[-1] if with_bits else 0,
-        HAS_RES=residual is not None, RES_BN=shortcut is not None, RELU=relu, BITS=with_bits, BLOCK_M=block_m,
-        BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
+        weight, bias, sc.mean, sc.invstd, sc.weight, sc.bias, st.sums, st.squares, st.running_mean, st.running_var,
+        st.batches, rst.sums, rst.squares, rst.running_mean, rst.running_var, rst.batches, m, c,
+        bits.shape[-1] if with_bits else 0, st.eps, st.momentum, rst.eps, rst.momentum,
+        HAS_RES=residual is not None, RES_BN=res_bn, RELU=relu, BITS=with_bits, SUMS=sums is not None,
+        BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
     return y, bits
 
 
@@ -576,12 +665,56 @@ def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residua
                      _shortcut_of(res_weight, res_bias, res_mean, res_invstd))
 
 
-@bn_act_op.register_fake
-def _(x, weight, bias, residual, mean, invstd, relu, res_weight, res_bias, res_mean, res_invstd):
+def _fake_bn_act(x, residual, relu) -> tuple:
     y = torch.empty_like(x, memory_format=torch.channels_last)
     if _mask_kind(relu, residual is not None) == MASK_FROM_BITS:
         return y, mask_bits(x)
     return y, x.new_empty(0, dtype=torch.int32)
+
+
+@bn_act_op.register_fake
+def _(x, weight, bias, residual, mean, invstd, relu, res_weight, res_bias, res_mean, res_invstd):
+    return _fake_bn_act(x, residual, relu)
+
+
+@torch.library.custom_op("imagenet::bn_act_from_sums",
+                         mutates_args=("running_mean", "running_var", "num_batches_tracked", "res_running_mean",
+                                       "res_running_var", "res_num_batches_tracked"))
+def bn_act_from_sums_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor],
+                        relu: bool, sums: torch.Tensor, squares: torch.Tensor, running_mean: torch.Tensor,
+                        running_var: torch.Tensor, num_batches_tracked: torch.Tensor, momentum: float, eps: float,
+                        res_weight: Optional[torch.Tensor], res_bias: Optional[torch.Tensor],
+                        res_sums: Optional[torch.Tensor], res_squares: Optional[torch.Tensor],
+                        res_running_mean: Optional[torch.Tensor], res_running_var: Optional[torch.Tensor],
+                        res_num_batches_tracked: Optional[torch.Tensor], res_momentum: float,
+                        res_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor]:
+    """:func:`bn_act_op` with the statistics made in its kernel from the convolutions' sums
+    (:func:`normalise_from_sums`): (y, bits, mean, 1/std, and the shortcut BatchNorm's mean and
+    1/std where the ``res_*`` tensors are given, else empty tensors). It updates the running
+    statistics and batch counts as :func:`bn_stats_from_sums_op` does; its gradient is
+    :class:`_BnActFromSums`' (an op that changes its inputs cannot have one registered)."""
+    shortcut = None
+    if res_sums is not None:
+        shortcut = (res_weight, res_bias, Sums(res_sums, res_squares, res_running_mean, res_running_var,
+                                               res_num_batches_tracked, res_momentum, res_eps))
+    y, bits, mean, invstd, res_mean, res_invstd = normalise_from_sums(
+        _cl(x), _cl(residual) if residual is not None else None, weight, bias, relu,
+        Sums(sums, squares, running_mean, running_var, num_batches_tracked, momentum, eps), shortcut)
+    if shortcut is None:  # two tensors: a custom op's outputs may not alias each other
+        res_mean, res_invstd = x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
+    return y, bits, mean, invstd, res_mean, res_invstd
+
+
+@bn_act_from_sums_op.register_fake
+def _(x, weight, bias, residual, relu, sums, squares, running_mean, running_var, num_batches_tracked, momentum, eps,
+      res_weight, res_bias, res_sums, res_squares, res_running_mean, res_running_var, res_num_batches_tracked,
+      res_momentum, res_eps):
+    y, bits = _fake_bn_act(x, residual, relu)
+    c = x.shape[1]
+    stats = [x.new_empty(c, dtype=torch.float32) for _ in range(2)]
+    shortcut = [x.new_empty(c if res_sums is not None else 0, dtype=torch.float32) for _ in range(2)]
+    return y, bits, *stats, *shortcut
 
 
 @torch.library.custom_op("imagenet::bn_act_backward", mutates_args=())
@@ -685,6 +818,23 @@ class _ForkedBnAct(torch.autograd.Function):
         return _backward_rule(ctx, dy, dy2)
 
 
+class _BnActFromSums(torch.autograd.Function):
+    """:func:`bn_act_from_sums_op`, one tensor out, or with ``fork`` a pair as :class:`_ForkedBnAct`'s;
+    the gradient is :func:`bn_act_op`'s, from the statistics the op stored."""
+
+    @staticmethod
+    def forward(ctx, fork, x, weight, bias, residual, relu, *stats):
+        y, bits, mean, invstd, res_mean, res_invstd = bn_act_from_sums_op(x, weight, bias, residual, relu, *stats)
+        shortcut = (stats[7], stats[8], res_mean, res_invstd) if stats[9] is not None else (None, None, None, None)
+        _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu, *shortcut), (y, bits))
+        return (y, y.view_as(y)) if fork else y
+
+    @staticmethod
+    def backward(ctx, dy, dy2=None):
+        dx, dw, db, dr, _, _, _, dw_r, db_r, _, _ = _backward_rule(ctx, dy, dy2)
+        return (None, dx, dw, db, dr, None, *[None] * 7, dw_r, db_r, *[None] * 7)
+
+
 def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> tuple:
     """The batch's (mean, 1/std) of ``x`` for ``bn``, from a pass of their own or from ``sums``;
     the running statistics and the batch count (read only where momentum is None: never here)
@@ -694,6 +844,12 @@ def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> t
                            float(bn.eps))
     return bn_stats_from_sums_op(sums[0], sums[1], x.shape[0] * x.shape[2] * x.shape[3], bn.running_mean,
                                  bn.running_var, bn.num_batches_tracked, float(bn.momentum), float(bn.eps))
+
+
+def _sums_args(bn: nn.BatchNorm2d, sums: tuple) -> tuple:
+    """:func:`bn_act_from_sums_op`'s arguments for ``bn`` whose input's sums are ``sums``."""
+    return (sums[0], sums[1], bn.running_mean, bn.running_var, bn.num_batches_tracked, float(bn.momentum),
+            float(bn.eps))
 
 
 def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor] = None,
@@ -717,6 +873,11 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
             out = out + residual
         out = F.relu(out) if relu else out
         return (out, out) if fork else out
+    if sums is not None and (residual_bn is None or residual_bn[1] is not None):
+        # the statistics made in the normalise's kernel from the convolutions' sums
+        rbn = residual_bn[0] if residual_bn is not None else None
+        res = (rbn.weight, rbn.bias, *_sums_args(rbn, residual_bn[1])) if rbn is not None else (None,) * 7 + (0.0, 0.0)
+        return _BnActFromSums.apply(fork, x, bn.weight, bn.bias, residual, relu, *_sums_args(bn, sums), *res)
     mean, invstd = _statistics(x, bn, sums)
     shortcut = (None, None, None, None)
     if residual_bn is not None:
