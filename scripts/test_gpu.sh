@@ -11,6 +11,7 @@
 #   tests/test_fusedbn.py       ~60  the BatchNorm kernels against torch, seven children at once
 #   tests/test_gpu.py           ~40  fp16 masters, host-free steps, CUDA-graph training against eager
 #   tests/test_maxpool.py       ~20  the stem max-pool kernels, eager and inside torch.compile
+#   tests/test_masterstep.py    ~15  --fp16's optimizer step's kernels against torch's arithmetic
 #   tests/test_processenv.py    ~10  CUDA_DEVICE_MAX_CONNECTIONS in the CUDA context
 #   tests/test_convstats.py     ~90  cuDNN's convolution + statistics against torch, in a CUDA graph, in
 #                                    blocks eager and compiled (skipped without nvidia-cudnn-frontend)
