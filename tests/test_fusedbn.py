@@ -225,8 +225,8 @@ def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> lis
     kernel) against the two kernels it replaces (statistics_from_sums, then the normalise):
     output, gradients, running statistics and batch counts, which must be the same bits; and
     whether the one-kernel path ran without the statistics' op. Layers with one and several row
-    blocks and channel blocks; without a residual, with one, and with a shortcut BatchNorm,
-    forked."""
+    blocks and channel blocks; without a residual, with one, and with a shortcut BatchNorm (its
+    eps, momentum and running statistics not the other's), forked or not."""
     import copy
     from imagenet.kernels import fusedbn
     g = torch.Generator().manual_seed(3)
@@ -234,17 +234,18 @@ def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> lis
     cl = dict(memory_format=torch.channels_last)
     for dtype in dtypes:
         dt = getattr(torch, dtype)
-        for shape in ((2, 5, 3, 3), (2, 130, 1, 2), (2, 64, 16, 16)):
-            for kind in ("plain", "residual", "shortcut"):
+        for shape in ((2, 5, 3, 3), (2, 130, 1, 2), (2, 64, 16, 16), (2, 130, 8, 8)):
+            for kind in ("plain", "residual", "shortcut", "shortcut, one output"):
                 c = shape[1]
                 x = (torch.randn(shape, generator=g) * 2 + 1).to(device, dt).contiguous(**cl)
                 raw = (torch.randn(shape, generator=g) * 3 - 1).to(device, dt).contiguous(**cl)
-                bn, rbn = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+                bn, rbn = nn.BatchNorm2d(c), nn.BatchNorm2d(c, eps=1e-3, momentum=0.3)
                 for m in (bn, rbn):
                     with torch.no_grad():
                         m.weight.uniform_(0.5, 1.5, generator=g)
                         m.bias.normal_(generator=g)
-                        m.running_mean.fill_(0.3)
+                        m.running_mean.normal_(generator=g)
+                        m.running_var.uniform_(0.5, 2.0, generator=g)
                         m.num_batches_tracked.fill_(7)
                 bn, rbn = bn.to(device), rbn.to(device)
 
@@ -260,12 +261,13 @@ def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> lis
                     xi = x.clone().requires_grad_(True)
                     ri = raw.clone().requires_grad_(True)
                     fork = kind == "shortcut"
+                    with_bn = kind.startswith("shortcut")
                     residual = ri if kind != "plain" else None
-                    residual_bn = (rb, sums_of(raw)) if kind == "shortcut" else None
+                    residual_bn = (rb, sums_of(raw)) if with_bn else None
                     calls = []
                     if path == "two kernels":  # bn_act before the statistics moved into the normalise
                         mean, invstd = fusedbn._statistics(xi, b, sums_of(x))
-                        shortcut = (rb.weight, rb.bias, *fusedbn._statistics(ri, rb, sums_of(raw))) if fork \
+                        shortcut = (rb.weight, rb.bias, *fusedbn._statistics(ri, rb, sums_of(raw))) if with_bn \
                             else (None,) * 4
                         inputs = (xi, b.weight, b.bias, residual, mean, invstd, True, *shortcut)
                         y = fusedbn._ForkedBnAct.apply(*inputs) if fork else fusedbn.bn_act_op(*inputs)[0]
@@ -284,10 +286,9 @@ def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> lis
                     grads = [xi.grad, b.weight.grad, b.bias.grad]
                     if kind != "plain":
                         grads.append(ri.grad)
-                    if fork:
-                        grads += [rb.weight.grad, rb.bias.grad]
                     buffers = [b.running_mean, b.running_var, b.num_batches_tracked]
-                    if fork:
+                    if with_bn:
+                        grads += [rb.weight.grad, rb.bias.grad]
                         buffers += [rb.running_mean, rb.running_var, rb.num_batches_tracked]
                     results.append(([y.detach()] + grads + buffers, calls))
                 (a, _), (bb, calls) = results
@@ -368,7 +369,7 @@ def test_the_statistics_made_in_the_normalise_are_the_two_kernels_bits_under_the
 
 
 def _check_from_sums(rows, dtypes: int):
-    assert len(rows) == 9 * dtypes, rows
+    assert len(rows) == 16 * dtypes, rows
     for r in rows:
         assert all(r["same"]) and r["statistics_ops"] == 0, r
         assert r["count"] == 8, r  # each BatchNorm's count moved once (from 7)

@@ -496,6 +496,13 @@ class Sums(NamedTuple):
     eps: float
 
 
+class ShortcutSums(NamedTuple):
+    """A shortcut BatchNorm whose statistics :func:`normalise_from_sums` makes from its input's sums."""
+    weight: torch.Tensor
+    bias: torch.Tensor
+    sums: Sums
+
+
 def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
               weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional[Shortcut] = None) -> tuple:
     """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
@@ -507,19 +514,18 @@ def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Ten
 
 
 def normalise_from_sums(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
-                        relu: bool, sums: Sums, shortcut: Optional[tuple] = None) -> tuple:
+                        relu: bool, sums: Sums, shortcut: Optional[ShortcutSums] = None) -> tuple:
     """:func:`normalise` with the batch's statistics made in the same kernel from ``sums`` (no kernel
     of their own: every program turns its channels' sums into mean and 1/std, the first row's
     programs store them and update the running statistics, as :func:`statistics_from_sums`
-    does, bit for bit). ``shortcut``: (its weight, its bias, its :class:`Sums`) where ``residual``
-    is that BatchNorm's raw input. Returns (y, bits, mean, 1/std, and the shortcut's mean and
-    1/std or None)."""
+    does, bit for bit). ``shortcut``: where ``residual`` is that BatchNorm's raw input. Returns
+    (y, bits, mean, 1/std, and the shortcut's mean and 1/std or None)."""
     c = x.shape[1]
     mean, invstd = x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
     sc, res_sums = None, None
     if shortcut is not None:
-        sc = Shortcut(shortcut[0], shortcut[1], torch.empty_like(mean), torch.empty_like(mean))
-        res_sums = shortcut[2]
+        sc = Shortcut(shortcut.weight, shortcut.bias, torch.empty_like(mean), torch.empty_like(mean))
+        res_sums = shortcut.sums
     y, bits = _normalise(x, residual, mean, invstd, weight, bias, relu, sc or Shortcut(weight, bias, mean, invstd),
                          sc is not None, sums, res_sums or sums)
     return y, bits, mean, invstd, (sc.mean if sc else None), (sc.invstd if sc else None)
@@ -696,8 +702,8 @@ def bn_act_from_sums_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     :class:`_BnActFromSums`' (an op that changes its inputs cannot have one registered)."""
     shortcut = None
     if res_sums is not None:
-        shortcut = (res_weight, res_bias, Sums(res_sums, res_squares, res_running_mean, res_running_var,
-                                               res_num_batches_tracked, res_momentum, res_eps))
+        shortcut = ShortcutSums(res_weight, res_bias, Sums(res_sums, res_squares, res_running_mean, res_running_var,
+                                                           res_num_batches_tracked, res_momentum, res_eps))
     y, bits, mean, invstd, res_mean, res_invstd = normalise_from_sums(
         _cl(x), _cl(residual) if residual is not None else None, weight, bias, relu,
         Sums(sums, squares, running_mean, running_var, num_batches_tracked, momentum, eps), shortcut)
@@ -824,15 +830,18 @@ class _BnActFromSums(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fork, x, weight, bias, residual, relu, *stats):
+        # stats: the BatchNorm's _sums_args, then the shortcut's weight, bias and _sums_args (Nones without one)
         y, bits, mean, invstd, res_mean, res_invstd = bn_act_from_sums_op(x, weight, bias, residual, relu, *stats)
-        shortcut = (stats[7], stats[8], res_mean, res_invstd) if stats[9] is not None else (None, None, None, None)
+        res_weight, res_bias, res_sums = stats[_SUMS_ARGS:_SUMS_ARGS + 3]
+        shortcut = (res_weight, res_bias, res_mean, res_invstd) if res_sums is not None else (None, None, None, None)
         _setup_context(ctx, (x, weight, bias, residual, mean, invstd, relu, *shortcut), (y, bits))
         return (y, y.view_as(y)) if fork else y
 
     @staticmethod
     def backward(ctx, dy, dy2=None):
         dx, dw, db, dr, _, _, _, dw_r, db_r, _, _ = _backward_rule(ctx, dy, dy2)
-        return (None, dx, dw, db, dr, None, *[None] * 7, dw_r, db_r, *[None] * 7)
+        none = (None,) * _SUMS_ARGS  # the sums, the buffers and the floats get no gradient
+        return (None, dx, dw, db, dr, None, *none, dw_r, db_r, *none)
 
 
 def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> tuple:
@@ -846,8 +855,14 @@ def _statistics(x: torch.Tensor, bn: nn.BatchNorm2d, sums: Optional[tuple]) -> t
                                  bn.running_var, bn.num_batches_tracked, float(bn.momentum), float(bn.eps))
 
 
-def _sums_args(bn: nn.BatchNorm2d, sums: tuple) -> tuple:
-    """:func:`bn_act_from_sums_op`'s arguments for ``bn`` whose input's sums are ``sums``."""
+_SUMS_ARGS = 7  # the length of _sums_args' answer
+
+
+def _sums_args(bn: Optional[nn.BatchNorm2d], sums: Optional[tuple]) -> tuple:
+    """:func:`bn_act_from_sums_op`'s arguments for ``bn`` whose input's sums are ``sums`` (sums,
+    squares, running mean and variance, batch count, momentum, eps); Nones and zeros for no ``bn``."""
+    if bn is None:
+        return (None,) * (_SUMS_ARGS - 2) + (0.0, 0.0)
     return (sums[0], sums[1], bn.running_mean, bn.running_var, bn.num_batches_tracked, float(bn.momentum),
             float(bn.eps))
 
@@ -858,7 +873,8 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
     """``relu(bn(x) + residual)`` (without the add or the ReLU as asked), fused where :func:`takes`;
     with ``fork``, as a pair (for the next block's convolution, for its shortcut) whose two
     gradients the backward adds itself (:class:`_ForkedBnAct`); ``sums``: ``x``'s per-channel
-    (sum, sum of squares), made by the convolution that made ``x`` (:func:`conv_bn_act`).
+    (sum, sum of squares), made by the convolution that made ``x`` (:func:`conv_bn_act`), from
+    which the normalise makes the statistics itself (:class:`_BnActFromSums`).
     ``residual_bn``: (the shortcut's BatchNorm, ``residual``'s sums or None) where ``residual``
     is that BatchNorm's raw input: the add normalises it as it loads it where both BatchNorms
     are fused (its normalised tensor is never written), else it is normalised first."""
@@ -875,9 +891,10 @@ def bn_act(x: torch.Tensor, bn: nn.BatchNorm2d, residual: Optional[torch.Tensor]
         return (out, out) if fork else out
     if sums is not None and (residual_bn is None or residual_bn[1] is not None):
         # the statistics made in the normalise's kernel from the convolutions' sums
-        rbn = residual_bn[0] if residual_bn is not None else None
-        res = (rbn.weight, rbn.bias, *_sums_args(rbn, residual_bn[1])) if rbn is not None else (None,) * 7 + (0.0, 0.0)
-        return _BnActFromSums.apply(fork, x, bn.weight, bn.bias, residual, relu, *_sums_args(bn, sums), *res)
+        rbn, rsums = residual_bn if residual_bn is not None else (None, None)
+        res = (rbn.weight, rbn.bias) if rbn is not None else (None, None)
+        return _BnActFromSums.apply(fork, x, bn.weight, bn.bias, residual, relu, *_sums_args(bn, sums), *res,
+                                    *_sums_args(rbn, rsums))
     mean, invstd = _statistics(x, bn, sums)
     shortcut = (None, None, None, None)
     if residual_bn is not None:
