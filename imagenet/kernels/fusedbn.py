@@ -509,8 +509,7 @@ def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Ten
     the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
     alone no longer tells), else an empty tensor). With ``shortcut``, ``residual`` is the raw
     input of that BatchNorm, normalised here as it is loaded (never written normalised)."""
-    return _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut or Shortcut(weight, bias, mean, invstd),
-                      shortcut is not None, None, None)
+    return _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut=shortcut)
 
 
 def normalise_from_sums(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
@@ -526,15 +525,15 @@ def normalise_from_sums(x: torch.Tensor, residual: Optional[torch.Tensor], weigh
     if shortcut is not None:
         sc = Shortcut(shortcut.weight, shortcut.bias, torch.empty_like(mean), torch.empty_like(mean))
         res_sums = shortcut.sums
-    y, bits = _normalise(x, residual, mean, invstd, weight, bias, relu, sc or Shortcut(weight, bias, mean, invstd),
-                         sc is not None, sums, res_sums or sums)
+    y, bits = _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut=sc, sums=sums, res_sums=res_sums)
     return y, bits, mean, invstd, (sc.mean if sc else None), (sc.invstd if sc else None)
 
 
-def _normalise(x, residual, mean, invstd, weight, bias, relu: bool, sc: Shortcut, res_bn: bool,
-               sums: Optional[Sums], res_sums: Optional[Sums]) -> tuple:
-    """The one launch of :func:`_apply` for both of the above (``sc`` and ``res_sums`` are unread
-    where ``res_bn`` is false, ``res_sums`` and ``sums`` where ``sums`` is None)."""
+def _normalise(x, residual, mean, invstd, weight, bias, relu: bool, *, shortcut: Optional[Shortcut] = None,
+               sums: Optional[Sums] = None, res_sums: Optional[Sums] = None) -> tuple:
+    """The one launch of :func:`_apply` for both of the above: with ``sums``, ``mean`` and
+    ``invstd`` (and the shortcut's) are written, else read; ``res_sums`` goes with ``sums``
+    where there is a shortcut."""
     n, c, h, w = x.shape
     m = n * h * w
     launch = LAUNCH["apply"]
@@ -543,14 +542,15 @@ def _normalise(x, residual, mean, invstd, weight, bias, relu: bool, sc: Shortcut
     with_bits = _mask_kind(relu, residual is not None) == MASK_FROM_BITS
     bits = mask_bits(x) if with_bits else x.new_empty(0, dtype=torch.int32)
     xs = _rows(x)
+    sc = shortcut or Shortcut(weight, bias, mean, invstd)  # unread without a shortcut BatchNorm
     st = sums or Sums(mean, invstd, mean, invstd, mean, 0.0, 0.0)  # unread without sums
-    rst = res_sums or st
+    rst = res_sums or st  # unread without both
     _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
         xs, _rows(residual) if residual is not None else xs, _rows(y), bits if with_bits else xs, mean, invstd,
         weight, bias, sc.mean, sc.invstd, sc.weight, sc.bias, st.sums, st.squares, st.running_mean, st.running_var,
         st.batches, rst.sums, rst.squares, rst.running_mean, rst.running_var, rst.batches, m, c,
         bits.shape[-1] if with_bits else 0, st.eps, st.momentum, rst.eps, rst.momentum,
-        HAS_RES=residual is not None, RES_BN=res_bn, RELU=relu, BITS=with_bits, SUMS=sums is not None,
+        HAS_RES=residual is not None, RES_BN=shortcut is not None, RELU=relu, BITS=with_bits, SUMS=sums is not None,
         BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
     return y, bits
 
