@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes (and off)
+LR_SCHEDULES = ("step", "cosine", "triangular", "poly")  # imagenet/training/schedule.py
 MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/kernels/maxpool.py)
 BN_KERNELS = ("auto", "torch", "triton", "cudnn")  # --bn-kernel (imagenet/kernels/fusedbn.py, convstats.py)
 ARCHS = (
@@ -101,9 +102,14 @@ class Config:
     cutmix: float = 0.0  # Beta(a, a) parameter of CutMix (0: off); with both, half the batches each
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the (unscaled) gradients per step
     model_ema: Optional[float] = None  # keep an fp32 moving average of the weights with this decay per step
-    lr_schedule: str = "step"  # step: x lr_gamma every lr_step epochs; cosine: to 0 at the end
+    lr_schedule: str = "step"  # step: x lr_gamma every lr_step epochs; cosine, triangular (linear), poly: to
+    #                            lr_end at lr_decay_epochs (imagenet/training/schedule.py)
     lr_step: int = 30  # epochs between decays of the step schedule
     lr_gamma: float = 0.1
+    lr_end: float = 0.0  # learning rate the cosine, triangular and poly decays end at (absolute, like --lr)
+    lr_decay_epochs: Optional[float] = None  # epoch (from the run's start) at which the decay reaches lr_end;
+    #                                          default --epochs
+    lr_poly_power: float = 2.0  # exponent of the poly decay
     warmup_epochs: float = 0.0  # linear warm-up from ~0 to lr, per iteration, in epochs
 
     # -- precision --------------------------------------------------------------------------
@@ -166,7 +172,7 @@ class Config:
 _SHORT = {"arch": ["-a"], "workers": ["-j"], "batch_size": ["-b"], "print_freq": ["-p"],
           "evaluate": ["-e"], "weight_decay": ["--wd"]}
 _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
-            "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": ("step", "cosine"),
+            "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": LR_SCHEDULES,
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "triton", "fused", "foreach"),
             "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu", "auto"), "maxpool_kernel": MAXPOOL_KERNELS,
@@ -435,6 +441,14 @@ def _check_numbers(cfg: Config) -> None:
     _need(cfg.warmup_epochs < cfg.epochs or cfg.warmup_epochs == 0,
           f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
     _need(cfg.lr_step >= 1, f"--lr-step must be at least 1 epoch, got {cfg.lr_step}")
+    _need(math.isfinite(cfg.lr_end) and 0 <= cfg.lr_end < cfg.lr,
+          f"--lr-end is the learning rate the decay ends at, in [0, --lr), got {cfg.lr_end}")
+    _need(math.isfinite(cfg.lr_poly_power) and cfg.lr_poly_power > 0,
+          f"--lr-poly-power must be a positive number, got {cfg.lr_poly_power}")
+    if cfg.lr_decay_epochs is not None:
+        _need(math.isfinite(cfg.lr_decay_epochs) and cfg.lr_decay_epochs > cfg.warmup_epochs,
+              f"--lr-decay-epochs ({cfg.lr_decay_epochs}) is the epoch the decay ends at: it must come after "
+              f"--warmup-epochs ({cfg.warmup_epochs})")
     _need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
 
 

@@ -2,7 +2,8 @@
 
 * ``runner`` -- :func:`run`: launch mode -> data -> training state -> resume -> epochs; the banner.
 * ``defaults`` -- fast by default: what each ``auto`` setting resolves to on this machine, and why.
-* ``engine`` -- the loops: :func:`train_one_epoch`, :func:`validate`, the LR schedule's shape.
+* ``engine`` -- the loops: :func:`train_one_epoch`, :func:`validate`.
+* ``schedule`` -- the learning rate's shape per optimizer step (step, cosine, triangular, poly).
 * ``state`` -- :class:`TrainState` (model, optimizer, schedule, precision, weight average) and
   :class:`Progress`; building and wrapping them.
 * ``ema`` -- the weight average (``--model-ema``).

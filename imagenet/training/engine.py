@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import sys
 import time
 import warnings
@@ -484,18 +483,3 @@ def validate(*, model: nn.Module, loader, criterion: nn.Module, precision, ctx: 
     return ValResult(loss=totals["loss"], acc1=totals["acc1"], acc5=totals["acc5"], samples=totals["count"],
                      skipped_paths=skipped_paths)
 
-
-def lr_lambda(schedule: str, epochs: int, iters_per_epoch: int, warmup_epochs: float,
-              step_epochs: int, gamma: float) -> Callable[[int], float]:
-    """LR multiplier per iteration: linear warm-up, then step decay or cosine to zero."""
-    total = max(epochs * iters_per_epoch, 1)
-    warmup = int(round(warmup_epochs * iters_per_epoch))
-
-    def factor(it: int) -> float:
-        if it < warmup:
-            return (it + 1) / warmup
-        if schedule == "cosine":
-            progress = (it - warmup) / max(total - warmup, 1)
-            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        return gamma ** ((it // iters_per_epoch) // step_epochs)
-    return factor

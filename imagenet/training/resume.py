@@ -20,6 +20,7 @@ logger = logging.getLogger("imagenet")
 
 # Optimisation settings a resumed run takes from its command line, not from the checkpoint.
 RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "lr_step", "lr_gamma", "warmup_epochs",
+                    "lr_end", "lr_decay_epochs", "lr_poly_power",
                     "batch_size", "accum_steps", "scale_window")
 
 

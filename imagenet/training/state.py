@@ -31,7 +31,7 @@ from ..precision import optim
 from ..precision import Precision, build_precision
 from .defaults import resolved
 from .ema import ModelEma
-from .engine import lr_lambda
+from .schedule import schedule_of
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +163,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
     optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
                                       ctx.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.lr_schedule, cfg.epochs, iters_per_epoch, cfg.warmup_epochs, cfg.lr_step,
-                             cfg.lr_gamma))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(cfg, iters_per_epoch))
     ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
     mixer, train_criterion = None, criterion
