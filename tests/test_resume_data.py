@@ -169,6 +169,22 @@ def test_rebuilt_shards_stop_a_mid_epoch_resume(digits, shard_stop, tmp_path):
     assert "the shard index (make_shards re-run?) changed: 40 images then, 40 now" in line
 
 
+def test_shards_rebuilt_in_place_stop_a_mid_epoch_resume(digits, shards, shard_stop, tmp_path):
+    """make_shards re-run in the folder after a source file changed: the next generation of its
+    index (new names, the old files kept) is still a change of the data's order."""
+    src, data = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(digits, src)  # the times kept: the same conversion
+    shutil.copytree(shards, data)
+    image = sorted((src / "train" / "3").iterdir())[0]
+    image.write_bytes(sorted((src / "train" / "5").iterdir())[0].read_bytes())
+    report = shardwriter.make_shards(str(src), str(data), shard_size=SHARD_SIZE, seed=0, workers=0, progress=False)
+    assert report.changed_source and report.generation == 1
+    out = copy_checkpoint(shard_stop, tmp_path / "run")
+    rc, _, stderr = resume(data, out, *WINDOW)
+    assert rc == 2
+    assert "the shard index (make_shards re-run?) changed" in one_error_line(stderr)
+
+
 def test_the_same_data_elsewhere_resumes_where_it_stopped(digits, folder_stop, tmp_path):
     data = tmp_path / "moved"
     shutil.copytree(digits, data)
