@@ -185,6 +185,36 @@ def test_shards_rebuilt_in_place_stop_a_mid_epoch_resume(digits, shards, shard_s
     assert "the shard index (make_shards re-run?) changed" in one_error_line(stderr)
 
 
+@pytest.fixture(scope="module")
+def last_step_stop(digits, tmp_path_factory):
+    """A folder run stopped right after the checkpoint of epoch 0's last step (5 of 5), before its
+    validation: what --save-every-steps writes there, and what an elastic restart resumes from."""
+    with scratch(tmp_path_factory, "last_step_stop") as out:
+        ckpt = stopped_at(digits, out, 5)
+        assert ckpt["epoch_trained"] is True
+        yield out
+
+
+@pytest.mark.parametrize("on_change", ["stop", "restart-epoch"])
+def test_a_checkpoint_after_an_epochs_last_step_is_at_the_epochs_end(digits, last_step_stop, tmp_path, on_change):
+    """On changed data (48 images now: 6 steps) it is no mid-epoch checkpoint: the run validates the
+    trained epoch without training any of it again (no sixth step either), with the epoch boundary's
+    line, and trains the next epoch from its start."""
+    data = tmp_path / "data"
+    shutil.copytree(digits, data)
+    for i, image in enumerate(sorted((data / "train").rglob("*.png"))[:8]):
+        shutil.copy(image, image.parent / f"new-{i}.png")
+    out = copy_checkpoint(last_step_stop, tmp_path / "run")
+    printed, done = first_step(data, out, "--on-data-change", on_change, "--epochs", 2)
+    assert "middle of epoch" not in printed and "restarts from its start" not in printed
+    assert "the training data's order changed since" in printed
+    assert "epoch 1 is trained from its start, every image of it once" in printed
+    assert "continuing at epoch 0, step 5 (its last: its validation, then epoch 1 from its start)" in printed
+    [epoch0] = rows(out)
+    assert (epoch0["epoch"], epoch0["steps"], epoch0["train_samples"]) == (0, 0, 40)
+    assert done == 1 and "Epoch: [1][0/6]" in printed  # the first step the resumed run took
+
+
 def test_the_same_data_elsewhere_resumes_where_it_stopped(digits, folder_stop, tmp_path):
     data = tmp_path / "moved"
     shutil.copytree(digits, data)

@@ -249,7 +249,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
                 "img_per_s": 0.0, "last": {}}
     # The schedule is a function of the iteration: start it where this epoch begins, also when
     # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
-    _align_schedule(state.scheduler, progress.epoch * start.iters + progress.step // cfg.accum_steps)
+    _align_schedule(state.scheduler, progress.steps_done(start.iters, cfg.accum_steps))
     display = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
     opts = LoopOptions(cfg.print_freq, display, cfg.prof * cfg.accum_steps if cfg.prof > 0 else None,
                        cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
@@ -342,7 +342,8 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         lr_start = state.lr if progress.step == 0 else _scheduled_lrs(state.scheduler, epoch * start.iters)[0]
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
-                                stop=stop.should_stop, on_step=first.hook(saver.step_hook(state, progress)))
+                                stop=stop.should_stop,
+                                on_step=first.hook(saver.step_hook(state, progress, start.iters * cfg.accum_steps)))
         if not train.completed:
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
@@ -399,7 +400,8 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
     size); returns the epoch's training crop size. ``first``: the run's first epoch."""
     epoch = progress.epoch
     loader.sampler.set_epoch(epoch)
-    loader.sampler.set_start(progress.step * micro_batch_size(cfg, ctx))
+    # a trained epoch (resumed after its last step) takes no batch, also where the data has more now
+    loader.sampler.set_start(len(loader.sampler) if progress.trained else progress.step * micro_batch_size(cfg, ctx))
     size = image_size_at(epoch, cfg)
     if cfg.progressive_resize:
         loader.sampler.set_image_size(size)
