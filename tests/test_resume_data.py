@@ -322,9 +322,33 @@ def test_a_resumed_epoch_counts_the_unreadable_images_of_the_whole_epoch(bad_tre
     rc, printed, stderr = resume(bad_tree, out, "--max-bad-fraction", 1)
     assert rc == 0, stderr
     assert rows(out)[-1]["skipped_images"] == BAD_TRAIN + BAD_VAL
-    assert f"{before} of them before the run resumed in this epoch" in printed
-    listed = (out / "skipped_images.txt").read_text().splitlines()
-    assert len(listed) == BAD_TRAIN + BAD_VAL - before
+    assert "not listed" not in printed
+    # every one listed, those met before the resume too: the checkpoint carried their paths
+    listed = [line.split("\t") for line in (out / "skipped_images.txt").read_text().splitlines()]
+    assert sorted(path for _, path in listed) == sorted(str(p) for p in bad_tree.rglob("empty.png"))
+    assert {epoch for epoch, _ in listed} == {"epoch 0"}
+
+
+def test_a_checkpoint_keeps_the_first_paths_and_the_list_says_how_many_it_lacks(tmp_path, monkeypatch):
+    """The paths a mid-epoch checkpoint carries are bounded (engine.CARRIED_PATHS); the count is
+    whole, and skipped_images.txt says how many of the epoch's it cannot name."""
+    from types import SimpleNamespace
+    from imagenet.training.runlog import RunLog
+    from imagenet.training.runner import _count_skipped
+    monkeypatch.setattr(engine, "CARRIED_PATHS", 3)
+    ctx = SimpleNamespace(is_main=True, distributed=False, device=torch.device("cpu"))
+    assert engine.skipped_so_far(["a"], ["b", "c", "d"], ctx) == ["a", "b", "c"]
+    resumed = Progress(0, 2, 0.0, [0.0, 0.0, 0.0, 0.0, 5.0], skipped=["a", "b", "c"])  # 5 met, 3 carried
+    saved = Progress()
+    saved.load_state_dict(resumed.state_dict())
+    assert saved.skipped == ["a", "b", "c"] and saved.unreadable == 5
+    cfg = Config(output_dir=str(tmp_path), max_bad_fraction=1.0)
+    with RunLog(cfg, ctx) as log:
+        assert _count_skipped(cfg, ctx, log, ["e"], 0, 100, before=saved) == 6
+    assert (tmp_path / "skipped_images.txt").read_text().splitlines() == [
+        "epoch 0\ta", "epoch 0\tb", "epoch 0\tc", "epoch 0\te",
+        "# epoch 0: 2 of them, met before the run resumed in this epoch, not listed (the checkpoint resumed did "
+        "not keep their paths)"]
 
 
 def test_max_bad_fraction_judges_the_whole_epoch_after_a_resume(bad_tree, bad_stop, tmp_path):

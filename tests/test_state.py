@@ -14,6 +14,7 @@ from imagenet.base import checkpoint as ckpt_io
 from imagenet.base.config import Config
 from imagenet.parallel.distributed import DistContext
 from imagenet.precision import MasterWeightPrecision
+from imagenet.training.engine import SoFar
 from imagenet.training.savepolicy import CheckpointPolicy
 from imagenet.training.state import Progress, build_training
 
@@ -110,12 +111,13 @@ def test_checkpoint_policy_saves_every_k_optimizer_steps_with_the_progress(tmp_p
     path = tmp_path / ckpt_io.CHECKPOINT
     hook(2, lambda: pytest.fail("no save after one optimizer step"))
     assert not path.exists()
-    hook(4, lambda: [4.0])  # 4 loader batches = 2 optimizer steps of 2 passes
+    hook(4, lambda: SoFar([4.0], ["train/a/bad.JPEG"]))  # 4 loader batches = 2 optimizer steps of 2 passes
     saved = ckpt_io.read_checkpoint(str(path))
     assert (saved["epoch"], saved["step_in_epoch"], saved["best_acc1"], saved["train_partial"]) == (1, 4, 10.0, [4.0])
+    assert saved["skipped_partial"] == ["train/a/bad.JPEG"]
     assert saved["classes"] == ["a", "b", "c"] and saved["config"]["save_every_steps"] == 2
     assert "epoch_trained" not in saved
-    hook(8, lambda: [8.0])  # the epoch's last: its training is done
+    hook(8, lambda: SoFar([8.0], []))  # the epoch's last: its training is done
     assert ckpt_io.read_checkpoint(str(path))["epoch_trained"] is True
     assert CheckpointPolicy(cfg(output_dir=str(tmp_path)), CPU, []).step_hook(state, Progress(), 8) is None
 

@@ -82,18 +82,21 @@ class RunLog:
             if self.board is not None:
                 self.board.write_epoch(record)
 
-    def skipped_images(self, epoch: int, paths: list, count: int, earlier: int = 0) -> None:
-        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's;
-        ``earlier``: of ``count``, those met before the epoch's mid-epoch resume (not in ``paths``)."""
+    def skipped_images(self, epoch: int, paths: list, count: int, unlisted: int = 0) -> None:
+        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: theirs, all ranks';
+        ``unlisted``: of ``count``, those met before the epoch's mid-epoch resume whose paths its
+        checkpoint did not keep (not in ``paths``; the list says how many)."""
         if not (count and self.active):
             return
+        before = f"{unlisted} of them, met before the run resumed in this epoch, not listed" if unlisted else ""
         if self.history:
             with open(self.skipped_path, "a") as fh:
                 fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
-        before = f"; {earlier} of them before the run resumed in this epoch, not listed" if earlier else ""
+                if unlisted:
+                    fh.write(f"# epoch {epoch}: {before} (the checkpoint resumed did not keep their paths)\n")
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s%s)", epoch, count,
-                       ", ".join(paths[:3]) or ("before the resume" if earlier else "on other ranks"),
-                       self.skipped_path if self.history else "none under --prof", before)
+                       ", ".join(paths[:3]) or "before the resume", self.skipped_path if self.history
+                       else "none under --prof", f"; {before}" if before else "")
 
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
         """One epoch's metrics row (``--prof``: in prof.jsonl), its TensorBoard scalars, and what its

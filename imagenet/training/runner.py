@@ -41,7 +41,7 @@ from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
 from .defaults import Machine, SpeedPlan, resolve, usable_cpus, with_environment
-from .engine import LoopOptions, Steady, train_one_epoch, validate
+from .engine import LoopOptions, Steady, skipped_so_far, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
 from .savepolicy import CheckpointPolicy
@@ -345,12 +345,13 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
                                 stop=stop.should_stop,
                                 on_step=first.hook(saver.step_hook(state, progress, start.iters * cfg.accum_steps)))
         if not train.completed:
-            raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
+            skipped = skipped_so_far(progress.skipped, train.skipped_paths, ctx)
+            raise saver.stopped(state, progress.at_step(train.steps_done, train.sums, skipped), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
-                                 len(start.data.train) + len(start.data.val), earlier=progress.unreadable)
+                                 len(start.data.train) + len(start.data.val), before=progress)
         is_best = saver.is_best(val.acc1, progress)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
@@ -383,7 +384,7 @@ class _FirstStep:
 
     def hook(self, inner: Optional[Callable]) -> Callable:
         """The training loop's ``on_step``: ``inner``'s, timing the first step first."""
-        def on_step(done: int, sums: Callable[[], list]) -> None:
+        def on_step(done: int, so_far: Callable) -> None:
             if self.seconds is None:
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize(self.ctx.device)  # once a run: the step's work done, not queued
@@ -391,7 +392,7 @@ class _FirstStep:
                 logger.info("=> first step done %.1f s after start%s", self.seconds,
                             f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else "")
             if inner is not None:
-                inner(done, sums)
+                inner(done, so_far)
         return on_step
 
 
@@ -453,12 +454,16 @@ def exceeds_bad_fraction(count: int, total: int, limit: float) -> bool:
 
 
 def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int,
-                   earlier: int = 0) -> int:
-    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run.
-    ``paths``: this process's; ``earlier``: the training images counted before a mid-epoch resume."""
+                   before: Optional[Progress] = None) -> int:
+    """Unreadable images of the epoch over all ranks (every rank calls this), listed with every
+    rank's paths; too many stop the run. ``paths``: this process's; ``before``: where a mid-epoch
+    resume started the epoch (the training images counted before it, and the paths it carried)."""
+    earlier, listed = (before.unreadable, list(before.skipped or [])) if before is not None else (0, [])
     count = torch.tensor([float(len(paths))], device=ctx.device)
     count = int(distributed.all_reduce_sum(count, ctx).item()) + earlier
-    log.skipped_images(epoch, paths, count, earlier)
+    if count > earlier:  # every rank knows: the paths of all of them, for the list rank 0 writes
+        listed += [path for mine in distributed.gather_objects(paths, ctx) for path in mine]
+    log.skipped_images(epoch, listed, count, unlisted=count - len(listed))
     if exceeds_bad_fraction(count, total_images, cfg.max_bad_fraction):
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")
