@@ -4,9 +4,10 @@ per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, 
 that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
 run's end. :func:`input_hint` says which stage an input-bound epoch waited for.
 
-A ``--prof`` run's row goes to ``prof.jsonl`` instead, and it adds no TensorBoard scalars and no
-``skipped_images.txt`` lines: those are the folder's history of finished epochs, and a later run
-there would find in them an epoch 0 that a few batches stood for."""
+A ``--prof`` run's row goes to ``prof.jsonl`` instead, its options to ``prof-config.yaml``, and it
+adds no TensorBoard scalars and no ``skipped_images.txt`` lines: those are the folder's history of
+finished epochs, and a later run there would find in them an epoch 0 that a few batches stood
+for (and in ``config.yaml`` the options of a profile, not of the run that trained them)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class RunLog:
         self.active = ctx.is_main
         self.history = self.active and cfg.prof < 0  # what this run writes joins the folder's epochs
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl" if cfg.prof < 0 else "prof.jsonl")
+        self.config_path = os.path.join(cfg.output_dir, "config.yaml" if cfg.prof < 0 else "prof-config.yaml")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
         self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.history else None
 
@@ -50,7 +52,7 @@ class RunLog:
         if self.active:
             asked, ran = self.requested.to_dict(), self.cfg.to_dict()
             decided = {k: v for k, v in ran.items() if asked.get(k) != v and k != "config"}
-            with open(os.path.join(self.cfg.output_dir, "config.yaml"), "w") as fh:
+            with open(self.config_path, "w") as fh:
                 if decided:
                     fh.write("# decided for this machine (the keys below say auto; --config decides again where it "
                              "runs):\n# " + yaml.safe_dump(decided, default_flow_style=True, width=10**6).strip() + "\n")

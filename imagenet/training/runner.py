@@ -180,8 +180,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
     if cfg.prof > 0:
         logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
-                    "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl", cfg.prof,
-                    cfg.prof)
+                    "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl (its options to "
+                    "prof-config.yaml, not config.yaml)", cfg.prof, cfg.prof)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
