@@ -215,6 +215,20 @@ def test_a_checkpoint_after_an_epochs_last_step_is_at_the_epochs_end(digits, las
     assert done == 1 and "Epoch: [1][0/6]" in printed  # the first step the resumed run took
 
 
+def test_a_trained_epoch_takes_no_batch_from_the_synthetic_loader_either():
+    """--dummy's loader counts batches, not samples: a trained epoch leaves it empty too."""
+    from types import SimpleNamespace
+    from imagenet.data.synthetic import SyntheticDataset, SyntheticLoader
+    from imagenet.training.runner import _begin_epoch
+    loader = SyntheticLoader(SyntheticDataset(40, 10, 16, seed=1), batch=8, samples=40, drop_last=True,
+                             device=torch.device("cpu"), channels_last=False)
+    cfg, ctx = Config(batch_size=8), SimpleNamespace(distributed=False, is_main=True)
+    _begin_epoch(cfg, ctx, loader, Progress(0, 5, trained=True), first=True)
+    assert len(loader) == 0
+    _begin_epoch(cfg, ctx, loader, Progress(0, 2), first=True)
+    assert len(loader) == 3
+
+
 def test_the_same_data_elsewhere_resumes_where_it_stopped(digits, folder_stop, tmp_path):
     data = tmp_path / "moved"
     shutil.copytree(digits, data)

@@ -277,6 +277,8 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan, held: contextlib.ExitSt
     else:
         source = root if cfg.data else f"built-in MNIST-5k ({root})"
     train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
+    for loader in (train_loader, val_loader):
+        held.callback(loader.close)  # its workers end with the run, also one that fails
     iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
     iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
     state = build_training(cfg, ctx, len(data.classes), iters, start=_starting_weights(cfg, weights))
@@ -402,7 +404,8 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
     epoch = progress.epoch
     loader.sampler.set_epoch(epoch)
     # a trained epoch (resumed after its last step) takes no batch, also where the data has more now
-    loader.sampler.set_start(len(loader.sampler) if progress.trained else progress.step * micro_batch_size(cfg, ctx))
+    done = max(progress.step, len(loader)) if progress.trained else progress.step
+    loader.sampler.set_start(done * micro_batch_size(cfg, ctx))
     size = image_size_at(epoch, cfg)
     if cfg.progressive_resize:
         loader.sampler.set_image_size(size)
