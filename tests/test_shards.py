@@ -357,6 +357,23 @@ def test_an_old_index_stays_while_a_job_reads_it_and_goes_after(tmp_path, capsys
     same_conversion(out, convert(src, tmp_path / "fresh").out)
 
 
+def test_overwrite_builds_beside_the_conversion_a_job_reads(digits, tmp_path):
+    """--overwrite (other settings) is a rebuild like any other: the next generation, from scratch,
+    under new names; the old index's files stay for the job that reads them."""
+    import operator
+    out = tmp_path / "out"
+    convert(digits, out)
+    data = ShardDataset(read_index(str(out)).splits["train"], None, operator.methodcaller("getvalue"))
+    before = _read_all(data)
+    report = convert(digits, out, shard_size=3 * SHARD_SIZE, overwrite=True)
+    assert report.generation == 1 and not report.changed_source
+    assert _read_all(data, workers=2, context="fork") == before
+    data.close()
+    now = read_index(str(out))
+    assert all(".g1." in name for name in now.files()) and now.shard_count < 10
+    same_conversion(out, convert(digits, tmp_path / "fresh", shard_size=3 * SHARD_SIZE).out)
+
+
 def test_a_job_whose_index_went_before_it_took_its_lease_is_told_to_run_again(shards, tmp_path, monkeypatch, capsys):
     """Only two rebuilds between a job's reading the index and its taking the lease can do it."""
     from imagenet.data.shards.lease import Lease
