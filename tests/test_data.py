@@ -384,7 +384,7 @@ def test_an_in_process_run_leaves_no_data_worker_behind(tmp_path, monkeypatch):
     from imagenet.training.runner import run
     from tests.helpers import interrupt_after_step, make_digits, resnet18_args
     make_digits(tmp_path / "data", train_per_class=2, val_per_class=1)  # 2 steps of 8
-    cfg = parse_config(resnet18_args(tmp_path / "data", tmp_path / "out", "--epochs", 1, "-p", 100))
+    cfg = parse_config(resnet18_args(tmp_path / "data", tmp_path / "out", "--epochs", 1, "-p", 100, "-j", 1))
     gc.collect()
     gc.disable()
     try:
