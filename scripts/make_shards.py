@@ -10,8 +10,10 @@ OUT gets train-NNNNNN.tar and val-NNNNNN.tar (KEY.jpg + KEY.cls), classes.txt, t
 be read, bad_files.txt: such files are not packed (the index lists them, and a run from the
 shards counts them as skipped, as a run from the folder does). The training images are shuffled
 once (--seed) before packing. Rerun the same command after an interruption (Ctrl-C, a full disk):
-it continues. Rerun it after files of DIR changed (a bad file repaired): it rewrites the shards
-from the first one whose files changed.
+it continues. Rerun it after files of DIR changed (a bad file repaired): it writes the shards
+from the first one whose files changed, and a new index, under new names beside the old ones,
+so a job reading OUT meanwhile keeps reading the files it started with. The files of an older
+index go once no job reads them (the previous index's are kept; --prune removes them too).
 """
 
 import os
@@ -38,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes reading and checking images (default: one per CPU core; 0: none)")
     p.add_argument("--overwrite", action="store_true", help="replace a finished conversion of other images or settings in OUT")
+    p.add_argument("--prune", action="store_true",
+                   help="also remove the previous index's files (kept by default, for jobs that read it) once no job "
+                        "reads them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -52,12 +57,14 @@ def main(argv=None) -> int:
         if args.workers < 0:
             raise UserError(f"--workers must be 0 or more, got {args.workers}")
         report = make_shards(args.src, args.out, shard_size=parse_size(args.shard_size), seed=args.seed,
-                             workers=args.workers, progress=not args.quiet, overwrite=args.overwrite)
+                             workers=args.workers, progress=not args.quiet, overwrite=args.overwrite,
+                             prune=args.prune)
     except UserError as e:
         return user_error(e)
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr, flush=True)
         return INTERRUPTED
+    _tidied(report, args.out)
     if report.finished_before:
         if report.note:
             print(f"{args.out} already holds these shards (index.json); {report.note}")
@@ -67,7 +74,8 @@ def main(argv=None) -> int:
         return 0
     if report.changed_source:
         print(f"files of {args.src} changed since these shards were made: kept the shards before the first "
-              f"changed one ({report.continued_from} images), rewrote the rest")
+              f"changed one ({report.continued_from} images), wrote the rest and a new index under new names; jobs "
+              "that read the old index keep reading its files")
     elif report.continued_from:
         print(f"continued an interrupted conversion after {report.continued_from} images")
     for split, path, reason in report.bad[:SHOWN_BAD]:
@@ -79,6 +87,15 @@ def main(argv=None) -> int:
     print(f"wrote {report.samples['train']} train / {report.samples['val']} val images in "
           f"{report.shards['train']} + {report.shards['val']} shards to {args.out}")
     return 0
+
+
+def _tidied(report, out: str) -> None:
+    """What happened to the files of earlier versions of the index."""
+    if report.removed:
+        print(f"removed the files of {len(report.removed)} earlier version(s) of the index that no job reads")
+    if report.in_use:
+        print(f"kept the files of {len(report.in_use)} earlier version(s) of the index that a job still reads (or "
+              f"this file system cannot tell: no file locks); a later run of this command removes them")
 
 
 if __name__ == "__main__":

@@ -374,6 +374,30 @@ def cli_runs(tmp_path_factory):
         yield results, info
 
 
+def test_an_in_process_run_leaves_no_data_worker_behind(tmp_path, monkeypatch):
+    """Persistent workers (-j N) live as long as their DataLoader: run() ends them when it ends,
+    also when it ends in an exception its caller keeps (the traceback holds the run's frames, and
+    with them the loaders), not the garbage collector (off here: it runs when it likes)."""
+    import gc
+    import multiprocessing
+    from imagenet.base.config import parse_config
+    from imagenet.training.runner import run
+    from tests.helpers import interrupt_after_step, make_digits, resnet18_args
+    make_digits(tmp_path / "data", train_per_class=2, val_per_class=1)  # 2 steps of 8
+    cfg = parse_config(resnet18_args(tmp_path / "data", tmp_path / "out", "--epochs", 1, "-p", 100, "-j", 1))
+    gc.collect()
+    gc.disable()
+    try:
+        assert run(cfg)["epochs_run"] == 1
+        assert multiprocessing.active_children() == []
+        interrupt_after_step(monkeypatch, 1)
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            run(cfg)
+        assert stopped.value and multiprocessing.active_children() == []
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 def test_cli_layout_error_is_one_line_exit_2(tmp_path, capsys, case):
     """Through the command line's entry in this process (main.py as a process: the e2e-strict run

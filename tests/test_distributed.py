@@ -509,8 +509,9 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     train = SafeImageFolder(str(root / "train"))
     sampler = DistributedSampler(train, num_replicas=2, rank=1, shuffle=True, seed=0)
     sampler.set_epoch(0)
-    for i in list(sampler)[:4]:
-        Path(train.samples[i][0]).write_bytes(b"not a png")
+    corrupted = sorted(train.samples[i][0] for i in list(sampler)[:4])
+    for path in corrupted:
+        Path(path).write_bytes(b"not a png")
 
     out = tmp_path / "out"
     r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path, "--grace-period", 2, "main.py",
@@ -521,6 +522,9 @@ def test_unreadable_batch_on_one_rank_is_skipped_not_fatal(dataset, tmp_path):
     rec = read_metrics(out)[0]
     assert rec["skipped_images"] == 4
     assert rec["train_samples"] == dataset["n_train"] - 4
+    # rank 0 writes the list, with the paths rank 1 met
+    listed = [line.split("\t")[1] for line in (out / "skipped_images.txt").read_text().splitlines()]
+    assert sorted(listed) == corrupted
     assert rec["val_samples"] == dataset["n_val"]
 
 

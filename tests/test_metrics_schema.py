@@ -80,3 +80,24 @@ def test_a_prof_run_adds_nothing_to_the_folders_history(tmp_path):
     assert [json.loads(line) for line in open(tmp_path / "prof.jsonl")] == [{"epoch": 0, "prof": 2}]
     assert (tmp_path / "skipped_images.txt").read_text().splitlines() == [
         "epoch 0\t/data/train/a/bad.JPEG", "epoch 1\t/data/train/a/bad.JPEG"]
+
+
+def test_a_prof_run_leaves_the_folders_config_yaml_alone(tmp_path):
+    """config.yaml says how the folder's epochs were trained (--config repeats it): a --prof run in
+    the folder writes its options to prof-config.yaml instead."""
+    import types
+
+    import torch
+    import yaml
+
+    from imagenet.base.config import Config
+    from imagenet.training.runlog import RunLog
+    ctx = types.SimpleNamespace(is_main=True, device=torch.device("cpu"), distributed=False)
+    with RunLog(Config(output_dir=str(tmp_path), epochs=90), ctx):
+        pass
+    trained = (tmp_path / "config.yaml").read_text()
+    with RunLog(Config(output_dir=str(tmp_path), epochs=5, prof=2), ctx):
+        pass
+    assert (tmp_path / "config.yaml").read_text() == trained
+    profiled = yaml.safe_load((tmp_path / "prof-config.yaml").read_text())
+    assert (profiled["prof"], profiled["epochs"]) == (2, 5)

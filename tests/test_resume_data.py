@@ -169,6 +169,66 @@ def test_rebuilt_shards_stop_a_mid_epoch_resume(digits, shard_stop, tmp_path):
     assert "the shard index (make_shards re-run?) changed: 40 images then, 40 now" in line
 
 
+def test_shards_rebuilt_in_place_stop_a_mid_epoch_resume(digits, shards, shard_stop, tmp_path):
+    """make_shards re-run in the folder after a source file changed: the next generation of its
+    index (new names, the old files kept) is still a change of the data's order."""
+    src, data = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(digits, src)  # the times kept: the same conversion
+    shutil.copytree(shards, data)
+    image = sorted((src / "train" / "3").iterdir())[0]
+    image.write_bytes(sorted((src / "train" / "5").iterdir())[0].read_bytes())
+    report = shardwriter.make_shards(str(src), str(data), shard_size=SHARD_SIZE, seed=0, workers=0, progress=False)
+    assert report.changed_source and report.generation == 1
+    out = copy_checkpoint(shard_stop, tmp_path / "run")
+    rc, _, stderr = resume(data, out, *WINDOW)
+    assert rc == 2
+    assert "the shard index (make_shards re-run?) changed" in one_error_line(stderr)
+
+
+@pytest.fixture(scope="module")
+def last_step_stop(digits, tmp_path_factory):
+    """A folder run stopped right after the checkpoint of epoch 0's last step (5 of 5), before its
+    validation: what --save-every-steps writes there, and what an elastic restart resumes from."""
+    with scratch(tmp_path_factory, "last_step_stop") as out:
+        ckpt = stopped_at(digits, out, 5)
+        assert ckpt["epoch_trained"] is True
+        yield out
+
+
+@pytest.mark.parametrize("on_change", ["stop", "restart-epoch"])
+def test_a_checkpoint_after_an_epochs_last_step_is_at_the_epochs_end(digits, last_step_stop, tmp_path, on_change):
+    """On changed data (48 images now: 6 steps) it is no mid-epoch checkpoint: the run validates the
+    trained epoch without training any of it again (no sixth step either), with the epoch boundary's
+    line, and trains the next epoch from its start."""
+    data = tmp_path / "data"
+    shutil.copytree(digits, data)
+    for i, image in enumerate(sorted((data / "train").rglob("*.png"))[:8]):
+        shutil.copy(image, image.parent / f"new-{i}.png")
+    out = copy_checkpoint(last_step_stop, tmp_path / "run")
+    printed, done = first_step(data, out, "--on-data-change", on_change, "--epochs", 2)
+    assert "middle of epoch" not in printed and "restarts from its start" not in printed
+    assert "the training data's order changed since" in printed
+    assert "epoch 1 is trained from its start, every image of it once" in printed
+    assert "continuing at epoch 0, step 5 (its last: its validation, then epoch 1 from its start)" in printed
+    [epoch0] = rows(out)
+    assert (epoch0["epoch"], epoch0["steps"], epoch0["train_samples"]) == (0, 0, 40)
+    assert done == 1 and "Epoch: [1][0/6]" in printed  # the first step the resumed run took
+
+
+def test_a_trained_epoch_takes_no_batch_from_the_synthetic_loader_either():
+    """--dummy's loader counts batches, not samples: a trained epoch leaves it empty too."""
+    from types import SimpleNamespace
+    from imagenet.data.synthetic import SyntheticDataset, SyntheticLoader
+    from imagenet.training.runner import _begin_epoch
+    loader = SyntheticLoader(SyntheticDataset(40, 10, 16, seed=1), batch=8, samples=40, drop_last=True,
+                             device=torch.device("cpu"), channels_last=False)
+    cfg, ctx = Config(batch_size=8), SimpleNamespace(distributed=False, is_main=True)
+    _begin_epoch(cfg, ctx, loader, Progress(0, 5, trained=True), first=True)
+    assert len(loader) == 0
+    _begin_epoch(cfg, ctx, loader, Progress(0, 2), first=True)
+    assert len(loader) == 3
+
+
 def test_the_same_data_elsewhere_resumes_where_it_stopped(digits, folder_stop, tmp_path):
     data = tmp_path / "moved"
     shutil.copytree(digits, data)
@@ -276,9 +336,33 @@ def test_a_resumed_epoch_counts_the_unreadable_images_of_the_whole_epoch(bad_tre
     rc, printed, stderr = resume(bad_tree, out, "--max-bad-fraction", 1)
     assert rc == 0, stderr
     assert rows(out)[-1]["skipped_images"] == BAD_TRAIN + BAD_VAL
-    assert f"{before} of them before the run resumed in this epoch" in printed
-    listed = (out / "skipped_images.txt").read_text().splitlines()
-    assert len(listed) == BAD_TRAIN + BAD_VAL - before
+    assert "not listed" not in printed
+    # every one listed, those met before the resume too: the checkpoint carried their paths
+    listed = [line.split("\t") for line in (out / "skipped_images.txt").read_text().splitlines()]
+    assert sorted(path for _, path in listed) == sorted(str(p) for p in bad_tree.rglob("empty.png"))
+    assert {epoch for epoch, _ in listed} == {"epoch 0"}
+
+
+def test_a_checkpoint_keeps_the_first_paths_and_the_list_says_how_many_it_lacks(tmp_path, monkeypatch):
+    """The paths a mid-epoch checkpoint carries are bounded (engine.CARRIED_PATHS); the count is
+    whole, and skipped_images.txt says how many of the epoch's it cannot name."""
+    from types import SimpleNamespace
+    from imagenet.training.runlog import RunLog
+    from imagenet.training.runner import _count_skipped
+    monkeypatch.setattr(engine, "CARRIED_PATHS", 3)
+    ctx = SimpleNamespace(is_main=True, distributed=False, device=torch.device("cpu"))
+    assert engine.skipped_so_far(["a"], ["b", "c", "d"], ctx) == ["a", "b", "c"]
+    resumed = Progress(0, 2, 0.0, [0.0, 0.0, 0.0, 0.0, 5.0], skipped=["a", "b", "c"])  # 5 met, 3 carried
+    saved = Progress()
+    saved.load_state_dict(resumed.state_dict())
+    assert saved.skipped == ["a", "b", "c"] and saved.unreadable == 5
+    cfg = Config(output_dir=str(tmp_path), max_bad_fraction=1.0)
+    with RunLog(cfg, ctx) as log:
+        assert _count_skipped(cfg, ctx, log, ["e"], 0, 100, before=saved) == 6
+    assert (tmp_path / "skipped_images.txt").read_text().splitlines() == [
+        "epoch 0\ta", "epoch 0\tb", "epoch 0\tc", "epoch 0\te",
+        "# epoch 0: 2 of them, met before the run resumed in this epoch, not listed (the checkpoint resumed did "
+        "not keep their paths)"]
 
 
 def test_max_bad_fraction_judges_the_whole_epoch_after_a_resume(bad_tree, bad_stop, tmp_path):

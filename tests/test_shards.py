@@ -177,11 +177,7 @@ def test_an_interrupted_conversion_is_refused_then_continued(digits, shards, tmp
     assert "no index.json" in err and "scripts/make_shards.py" in err
     report = convert(digits, out)
     assert report.continued_from > 0
-    # the same bytes as a conversion that never stopped
-    names = sorted(p.name for p in shards.iterdir())
-    assert sorted(p.name for p in out.iterdir()) == names
-    for name in names:
-        assert (out / name).read_bytes() == (shards / name).read_bytes(), name
+    same_files(out, shards)  # the same bytes as a conversion that never stopped
     assert convert(digits, out).finished_before
     with pytest.raises(UserError, match="--overwrite"):
         convert(digits, out, shard_size=2 * SHARD_SIZE)
@@ -192,10 +188,28 @@ def cli_args(src, out):
 
 
 def same_files(a, b):
-    names = sorted(p.name for p in Path(a).iterdir())
-    assert names == sorted(p.name for p in Path(b).iterdir())
+    """The folders hold the same files (the generations' records included), byte for byte."""
+    names = sorted(str(p.relative_to(a)) for p in Path(a).rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(b)) for p in Path(b).rglob("*") if p.is_file())
     for name in names:
         assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes(), name
+
+
+def same_conversion(a, b):
+    """The indexes of two shard folders describe the same conversion, and the files they name hold
+    the same bytes, whatever their names (a rebuild's generation)."""
+    ia, ib = read_index(str(a)), read_index(str(b))
+    for split in ("train", "val"):
+        sa, sb = ia.splits[split], ib.splits[split]
+        assert np.array_equal(sa.table(), sb.table()) and sa.left_out == sb.left_out, split
+        assert [(s["bytes"], s["sources"]) for s in sa.shards] == [(s["bytes"], s["sources"]) for s in sb.shards]
+        for number in range(len(sa.shards)):
+            assert Path(sa.path(number)).read_bytes() == Path(sb.path(number)).read_bytes(), (split, number)
+
+
+def data_files(root):
+    """The files of a shard folder that a copy of it needs (not the generations' records)."""
+    return [p for p in Path(root).iterdir() if p.is_file()]
 
 
 def test_ctrl_c_is_one_line_and_a_rerun_continues_with_the_files_changed_meanwhile(tmp_path, monkeypatch, capsys):
@@ -260,10 +274,113 @@ def test_a_repaired_file_is_packed_by_a_rerun_which_keeps_the_shards_before_it(t
     index = read_index(str(out))
     assert not index.splits["train"].left_out and last in index.splits["train"].table()["id"].tolist()
     kept = [shard_name("train", n) for n in range(item["shard"])] + [s["name"] for s in index.splits["val"].shards]
+    assert [s["name"] for s in index.splits["train"].shards[:item["shard"]]] == kept[:item["shard"]]
     assert all((out / name).stat().st_mtime_ns == stamps[name] for name in kept)
+    # the rest under the next generation's names; the old files all stay (the previous index's)
+    assert {s["name"] for s in index.splits["train"].shards[item["shard"]:]} <= {
+        shard_name("train", n, 1) for n in range(10)}
+    assert set(stamps) <= {p.name for p in out.iterdir()}
     convert(src, tmp_path / "fresh")
-    same_files(out, tmp_path / "fresh")
+    same_conversion(out, tmp_path / "fresh")
     assert convert(src, out).finished_before
+
+
+def _replace_first_packed(src, split="train"):
+    """Put another image (of another size) in place of the file packed first: every shard is then
+    rewritten, and every sample after it moves. Returns (its image id, its new bytes)."""
+    samples = folder_files(src, split)
+    first = int(np.random.default_rng(0).permutation(len(samples))[0])
+    other = next(p for p, _ in samples if Path(p).stat().st_size != Path(samples[first][0]).stat().st_size)
+    Path(samples[first][0]).write_bytes(Path(other).read_bytes())
+    return first, Path(other).read_bytes()
+
+
+def _read_all(data, workers=0, context=None):
+    """Every sample of ``data`` through a DataLoader, by row: (bytes, label, None)."""
+    from torch.utils.data import DataLoader
+    loader = DataLoader(data, batch_size=5, num_workers=workers, multiprocessing_context=context, collate_fn=list)
+    return [sample for batch in loader for sample in batch]
+
+
+def test_a_job_holding_the_old_index_reads_it_whole_while_make_shards_rebuilds(tmp_path):
+    """A repaired or replaced source file makes a rerun rewrite shards. A job that read the index
+    before keeps reading its files: in its own process, in workers forked after the rerun, and in
+    spawned workers (which map the table and open the shards afresh). A job after it reads the new."""
+    import operator
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_digits(src, train_per_class=2, val_per_class=1)
+    convert(src, out)
+    data = ShardDataset(read_index(str(out)).splits["train"], None, operator.methodcaller("getvalue"))
+    before = _read_all(data)
+    assert len(before) == 20 and all(bad is None for _, _, bad in before)
+    changed, new_bytes = _replace_first_packed(src)
+    report = convert(src, out)
+    assert report.changed_source and report.generation == 1
+    assert _read_all(data) == before
+    assert _read_all(data, workers=2, context="fork") == before
+    assert _read_all(data, workers=1, context="spawn") == before
+    data.close()
+    now = ShardDataset(read_index(str(out)).splits["train"], None, operator.methodcaller("getvalue"))
+    row = now.table["id"].tolist().index(changed)
+    assert now[row][0] == new_bytes and before[row][0] != new_bytes
+    now.close()
+
+
+def test_an_old_index_stays_while_a_job_reads_it_and_goes_after(tmp_path, capsys):
+    """A run leases the generation of the index it read: two rebuilds later its files are still
+    there; once it ended, the next run of make_shards removes them, and keeps the previous
+    generation's (for a job a lock cannot see) unless --prune."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_digits(src, train_per_class=2, val_per_class=1)
+    convert(src, out)
+    first = read_index(str(out))
+    files = [out / name for name in first.files()]
+    cfg = parse_config(run_args(out, tmp_path / "run"))
+    job = build_datasets(cfg, str(out))
+    assert job.lease is not None
+    for generation in (1, 2):
+        _replace_first_packed(src)
+        assert convert(src, out).generation == generation
+    assert all(f.exists() for f in files)  # read by the job
+    capsys.readouterr()
+    assert make_shards_cli(cli_args(src, out)) == 0
+    assert "kept the files of 1 earlier version(s) of the index that a job still reads" in capsys.readouterr().out
+    job.close()
+    assert make_shards_cli(cli_args(src, out)) == 0
+    assert "removed the files of 1 earlier version(s)" in capsys.readouterr().out
+    previous, now = shardwriter._read_json(str(out / ".generations" / "1.json")), read_index(str(out))
+    assert {p.name for p in out.iterdir() if p.suffix in (".tar", ".npy")} == set(previous["files"]) | set(now.files())
+    assert set(first.files()) - set(previous["files"]) - set(now.files())  # gone: only the job read them
+    assert make_shards_cli([*cli_args(src, out), "--prune"]) == 0
+    assert {p.name for p in out.iterdir() if p.suffix in (".tar", ".npy")} == set(now.files())
+    assert sorted(p.name for p in (out / ".generations").iterdir()) == ["2.json"]
+    same_conversion(out, convert(src, tmp_path / "fresh").out)
+
+
+def test_overwrite_builds_beside_the_conversion_a_job_reads(digits, tmp_path):
+    """--overwrite (other settings) is a rebuild like any other: the next generation, from scratch,
+    under new names; the old index's files stay for the job that reads them."""
+    import operator
+    out = tmp_path / "out"
+    convert(digits, out)
+    data = ShardDataset(read_index(str(out)).splits["train"], None, operator.methodcaller("getvalue"))
+    before = _read_all(data)
+    report = convert(digits, out, shard_size=3 * SHARD_SIZE, overwrite=True)
+    assert report.generation == 1 and not report.changed_source
+    assert _read_all(data, workers=2, context="fork") == before
+    data.close()
+    now = read_index(str(out))
+    assert all(".g1." in name for name in now.files()) and now.shard_count < 10
+    same_conversion(out, convert(digits, tmp_path / "fresh", shard_size=3 * SHARD_SIZE).out)
+
+
+def test_a_job_whose_index_went_before_it_took_its_lease_is_told_to_run_again(shards, tmp_path, monkeypatch, capsys):
+    """Only two rebuilds between a job's reading the index and its taking the lease can do it."""
+    from imagenet.data.shards.lease import Lease
+    monkeypatch.setattr(Lease, "removed", property(lambda self: True))
+    assert main(run_args(shards, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "was rebuilt by make_shards while this run started" in err and "run the command again" in err
 
 
 def test_the_same_folder_through_a_symlink_is_the_same_conversion(digits, shards, tmp_path, capsys):
@@ -628,7 +745,7 @@ def test_tars_without_an_index_name_the_converter(tmp_path, capsys):
 def memory_copy(shards, url):
     import fsspec
     fs, root = fsspec.core.url_to_fs(url)
-    for path in shards.iterdir():
+    for path in data_files(shards):
         fs.pipe_file(f"{root}/{path.name}", path.read_bytes())
     return fs, root
 
@@ -648,7 +765,7 @@ def test_a_cached_copy_is_reused_and_repaired(shards, tmp_path):
     shutil.copytree(shards, tmp_path / "remote")
     lease = local_copy(url, tmp_path / "cache", progress=False)
     local = Path(lease.path)
-    assert sorted(p.name for p in local.iterdir()) == sorted([".readers", *(p.name for p in shards.iterdir())])
+    assert sorted(p.name for p in local.iterdir()) == sorted([".readers", *(p.name for p in data_files(shards))])
     stamp = (local / "train-000000.tar").stat().st_mtime_ns
     again = local_copy(url, tmp_path / "cache", progress=False)
     assert again.path == str(local)
@@ -677,7 +794,7 @@ def test_two_jobs_on_one_url_each_read_the_version_they_started_with(digits, sha
     assert second.path != first.path
     reader.close()  # the first job's next samples are opened afresh: from its own version
     assert [reader[row][0] for row in range(len(reader))] == before
-    assert all((Path(first.path) / p.name).read_bytes() == p.read_bytes() for p in shards.iterdir())
+    assert all((Path(first.path) / p.name).read_bytes() == p.read_bytes() for p in data_files(shards))
     assert (Path(second.path) / "index.json").read_text() == (remote / "index.json").read_text()
     local_copy(url, tmp_path / "cache", progress=False).close()
     assert Path(first.path).exists()  # still read: kept

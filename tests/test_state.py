@@ -14,6 +14,7 @@ from imagenet.base import checkpoint as ckpt_io
 from imagenet.base.config import Config
 from imagenet.parallel.distributed import DistContext
 from imagenet.precision import MasterWeightPrecision
+from imagenet.training.engine import SoFar
 from imagenet.training.savepolicy import CheckpointPolicy
 from imagenet.training.state import Progress, build_training
 
@@ -95,21 +96,30 @@ def test_progress_state_dict_keeps_the_sums_only_mid_epoch():
     end = mid.next_epoch(30.0)
     assert end == Progress(3, 0, 40.0, None) and "train_partial" not in end.state_dict()
     assert mid.next_epoch(50.0).best_acc1 == 50.0
+    trained = mid.at_step(8, [1.0], trained=True)  # after the epoch's last step
+    assert trained.state_dict()["epoch_trained"] is True and "epoch_trained" not in mid.state_dict()
+    back.load_state_dict(trained.state_dict())
+    assert back == trained and back.steps_done(8, 1) == 3 * 8 and mid.steps_done(8, 1) == 2 * 8 + 5
+    assert not trained.at_step(0, None).trained  # --on-data-change restart-epoch, another batch size
 
 
 def test_checkpoint_policy_saves_every_k_optimizer_steps_with_the_progress(tmp_path):
     c = cfg(output_dir=str(tmp_path), save_every_steps=2, accum_steps=2)
     state = build_training(c, CPU, 3, 4)
     policy = CheckpointPolicy(c, CPU, ["a", "b", "c"])
-    hook = policy.step_hook(state, Progress(1, 0, 10.0))
+    hook = policy.step_hook(state, Progress(1, 0, 10.0), batches=8)
     path = tmp_path / ckpt_io.CHECKPOINT
     hook(2, lambda: pytest.fail("no save after one optimizer step"))
     assert not path.exists()
-    hook(4, lambda: [4.0])  # 4 loader batches = 2 optimizer steps of 2 passes
+    hook(4, lambda: SoFar([4.0], ["train/a/bad.JPEG"]))  # 4 loader batches = 2 optimizer steps of 2 passes
     saved = ckpt_io.read_checkpoint(str(path))
     assert (saved["epoch"], saved["step_in_epoch"], saved["best_acc1"], saved["train_partial"]) == (1, 4, 10.0, [4.0])
+    assert saved["skipped_partial"] == ["train/a/bad.JPEG"]
     assert saved["classes"] == ["a", "b", "c"] and saved["config"]["save_every_steps"] == 2
-    assert CheckpointPolicy(cfg(output_dir=str(tmp_path)), CPU, []).step_hook(state, Progress()) is None
+    assert "epoch_trained" not in saved
+    hook(8, lambda: SoFar([8.0], []))  # the epoch's last: its training is done
+    assert ckpt_io.read_checkpoint(str(path))["epoch_trained"] is True
+    assert CheckpointPolicy(cfg(output_dir=str(tmp_path)), CPU, []).step_hook(state, Progress(), 8) is None
 
 
 def test_the_first_epoch_writes_model_best_even_at_zero_accuracy(tmp_path):

@@ -113,3 +113,19 @@ def test_shared_bytes_is_a_writable_shared_memory_tensor():
         "torch.UntypedStorage._new_shared no longer makes a shared storage of n bytes"
     x.fill_(7)
     assert x.sum() == 70
+
+
+def test_shutdown_workers_ends_a_loaders_persistent_workers():
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert getattr(loader, "_iterator", None) is not None, "DataLoader._iterator (persistent workers) is gone"
+    assert hasattr(loader._iterator, "_shutdown_workers"), "the DataLoader iterator's _shutdown_workers is gone"
+    assert multiprocessing.active_children()
+    tp.shutdown_workers(loader)
+    assert multiprocessing.active_children() == [], "DataLoader._iterator._shutdown_workers() left workers running"
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]  # a later epoch starts new ones
+    tp.shutdown_workers(loader)
+    tp.shutdown_workers(DataLoader(list(range(4))))  # no workers: nothing to do

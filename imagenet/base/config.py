@@ -202,7 +202,7 @@ _HELP = {
                         "exactly this share goes on, more stops the run; 0 stops at the first, 1 never (default "
                         "0.01)",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint, and its "
-            "row goes to OUTPUT_DIR/prof.jsonl, not metrics.jsonl",
+            "row goes to OUTPUT_DIR/prof.jsonl, not metrics.jsonl (its options to prof-config.yaml)",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
                   "read from the local torch hub cache; validation then resizes as the weights were evaluated",
 }

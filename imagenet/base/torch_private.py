@@ -15,6 +15,8 @@ names the attribute that moved.
 * :func:`set_last_lr` -- ``LRScheduler._last_lr``, what ``get_last_lr()`` answers.
 * :func:`inductor_tune_kernels` -- ``torch._inductor.config.coordinate_descent_tuning``.
 * :func:`shared_bytes` -- ``torch.UntypedStorage._new_shared``, a tensor made in shared memory.
+* :func:`shutdown_workers` -- ``DataLoader._iterator`` (what keeps persistent workers) and its
+  ``_shutdown_workers()``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,16 @@ def inductor_tune_kernels() -> None:
     warps by coordinate descent around its heuristic's choice, timed on the first calls."""
     import torch._inductor.config as inductor
     inductor.coordinate_descent_tuning = True
+
+
+def shutdown_workers(loader: torch.utils.data.DataLoader) -> None:
+    """End the loader's persistent worker processes now (they live as long as its iterator, which
+    the loader keeps across epochs); the next iteration starts new ones. A loader without
+    persistent workers, or whose workers are not started, is left as it is."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def shared_bytes(n: int) -> torch.Tensor:

@@ -24,9 +24,10 @@ from .decode import TrainDecoder, ValDecoder, path_identity
 from .images.folder import SafeImageFolder, check_layout
 from .gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
-from .shards.remote import CacheLease, is_url, local_copy
+from .shards.remote import is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
-from .shards.index import ShardIndex
+from .shards.index import ShardIndex, hold
+from .shards.lease import Lease
 from .shards.dataset import ShardDataset, find_shards, open_rgb
 from .synthetic import SyntheticDataset, SyntheticLoader
 from .transforms import (IMAGENET_MEAN, IMAGENET_STD, ValGeometry, augment_policy, resize_on_device, train_transform,
@@ -78,10 +79,10 @@ class DataBundle:
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
     jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
-    lease: Optional[CacheLease] = None  # a URL's cached copy, kept while the run reads it
+    lease: Optional[Lease] = None  # on the shards' version (a URL's cached copy, the index's generation) read
 
     def close(self) -> None:
-        """Release what reading the data holds: open shard files, a cached copy's lease. The
+        """Release what reading the data holds: open shard files, the shards' lease. The
         run's owner calls it at the end (``with`` does); the workers' files go with them."""
         for dataset in (self.train, self.val):
             if isinstance(dataset, ShardDataset):
@@ -155,10 +156,12 @@ def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardI
 
 
 def _shard_index(cfg, root: str) -> tuple:
-    """(the index, None) when ``root`` is a shard folder; (the index of its cached copy, the
-    copy's lease) for a URL; (None, None) for an image folder."""
+    """(the index, the lease on its generation) when ``root`` is a shard folder; (the index of its
+    cached copy, the copy's lease) for a URL; (None, None) for an image folder. A lease keeps
+    ``make_shards`` (a rebuild of the folder) or a newer copy from removing the files the run reads."""
     if not is_url(root):
-        return find_shards(root), None
+        index = find_shards(root)
+        return index, (hold(index) if index is not None else None)
     lease = local_copy(root, cfg.cache_dir or default_cache_dir())
     try:
         return find_shards(lease.path), lease

@@ -30,6 +30,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..base.torch_private import shutdown_workers
 from .gpu import jpeg as gpujpeg
 from .images.cropbatch import CropBatch
 from .gpu.decode import DecodedJpegs, JpegBatch, decode_images, finish_batch
@@ -73,6 +74,11 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def close(self) -> None:
+        """End the DataLoader's persistent workers (the run's end): otherwise they live until the
+        loader is collected, which a kept exception's traceback or a reference cycle delays."""
+        shutdown_workers(self.loader)
 
     @property
     def sampler(self):

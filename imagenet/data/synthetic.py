@@ -57,6 +57,9 @@ class SyntheticLoader:
     def decode_counts(self) -> dict:
         return {"gpu": 0, "cpu": 0}
 
+    def close(self) -> None:
+        """Nothing to end: no workers."""
+
     def __len__(self) -> int:
         return max(self.batches - self.start, 0)
 

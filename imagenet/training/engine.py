@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..base.errors import UserError
 from ..base.metrics import AverageMeter, DeviceSums, means
 from ..base.wrappers import ddp_of, unwrap
-from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum, average_buffers
+from ..parallel.distributed import DistContext, all_reduce_max, all_reduce_sum, average_buffers, gather_objects
 
 logger = logging.getLogger(__name__)
 _SCHEDULE_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
@@ -84,6 +84,23 @@ class TrainResult:
     sums: list  # metric sums so far, all ranks (metrics.DeviceSums.raw), for a mid-epoch checkpoint
 
 
+CARRIED_PATHS = 10_000  # unreadable images' paths a mid-epoch checkpoint keeps (about 1 MB); their count is whole
+
+
+class SoFar(NamedTuple):
+    """The part of an epoch done, over all ranks, for a mid-epoch checkpoint."""
+
+    sums: list  # metric sums (metrics.DeviceSums.raw), the unreadable images' count among them
+    skipped: list  # the unreadable images' paths, at most CARRIED_PATHS
+
+
+def skipped_so_far(carried: Optional[list], mine: list, ctx: DistContext) -> list:
+    """The paths of the unreadable images of the part of the epoch done (every rank calls this):
+    those a checkpoint carried from before a resume, then each rank's, at most CARRIED_PATHS."""
+    every = [path for paths in gather_objects(mine[:CARRIED_PATHS], ctx) for path in paths]
+    return (list(carried or []) + every)[:CARRIED_PATHS]
+
+
 @dataclass
 class ValResult:
     loss: float
@@ -110,8 +127,9 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
     each group that holds a multiple of ``opts.print_freq``). ``progress.step`` batches of
     the epoch were done before (the loader already skips them) and ``progress.sums`` holds
     their metric sums (over all ranks), so a resumed epoch reports the whole epoch. After each
-    optimizer step ``on_step(batches_done_in_epoch, sums)`` runs (mid-epoch checkpoints; ``sums``
-    is a function returning the sums so far) and ``stop()`` may end the epoch early
+    optimizer step ``on_step(batches_done_in_epoch, so_far)`` runs (mid-epoch checkpoints;
+    ``so_far`` is a function returning the epoch's :class:`SoFar`, every rank calling it, and
+    ``progress.skipped`` the paths a resumed epoch met before) and ``stop()`` may end the epoch early
     (preemption; the result then says ``completed=False``). ``state.ema`` follows every
     optimizer step; ``state.mixer`` turns batches into mixup/cutmix ones with soft labels.
     """
@@ -169,7 +187,8 @@ def train_one_epoch(*, state, progress, loader, ctx: DistContext, opts: LoopOpti
             elif ctx.is_main:
                 logger.info(_line(f"Epoch: [{epoch}]", i, n, batch_time, data_time, sums.last_batch(), avg))
         if on_step is not None:
-            on_step(i + 1, lambda: sums.raw(ctx, all_reduce_sum))
+            on_step(i + 1, lambda: SoFar(sums.raw(ctx, all_reduce_sum),
+                                         skipped_so_far(progress.skipped, skipped_paths, ctx)))
         if i + 1 < n and stop():
             completed = False
             break

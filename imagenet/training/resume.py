@@ -54,15 +54,18 @@ def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int,
             logger.info("=> resume: --%s %s replaces the checkpoint's %s", key.replace("_", "-"), getattr(cfg, key),
                         saved[key])
     saved_batch, saved_accum = saved.get("batch_size", cfg.batch_size), saved.get("accum_steps", 1)
-    if progress.step and (saved_batch, saved_accum) != (cfg.batch_size, cfg.accum_steps):
+    if progress.step and not progress.trained and (saved_batch, saved_accum) != (cfg.batch_size, cfg.accum_steps):
         logger.warning("=> %s stopped mid-epoch at batch size %s with %s accumulation step(s); with -b %d and "
                        "--accum-steps %d the epoch restarts from its beginning", path, saved_batch, saved_accum,
                        cfg.batch_size, cfg.accum_steps)
         progress = progress.at_step(0, None)
     if cfg.start_epoch is None:  # --start-epoch starts an epoch from its beginning anyway
         progress = _check_data_order(ckpt, progress, path, cfg, data_order)
-    logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, progress.epoch,
-                f", step {progress.step}" if progress.step else "", progress.best_acc1)
+    where = f", step {progress.step}" if progress.step else ""
+    if progress.trained:
+        where += f" (its last: its validation, then epoch {progress.epoch + 1} from its start)"
+    logger.info("=> resumed %s: continuing at epoch %d%s (best Acc@1 so far %.3f)", path, progress.epoch, where,
+                progress.best_acc1)
     return progress
 
 
@@ -83,7 +86,8 @@ def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int)
 def _check_data_order(ckpt: dict, progress: Progress, path: str, cfg, now: Optional[dict]) -> Progress:
     """Where the run continues, given what decides the data's order then and now: a checkpoint
     taken mid-epoch continues after its step only with the order it was taken in (the images of
-    the epoch's first steps are the ones done); otherwise ``--on-data-change`` says what to do."""
+    the epoch's first steps are the ones done); otherwise ``--on-data-change`` says what to do.
+    One taken after the epoch's last step is at an epoch's end: the next epoch starts afresh."""
     if now is None:  # synthetic data: no order to keep
         return progress
     if "data_order" not in ckpt:
@@ -96,9 +100,9 @@ def _check_data_order(ckpt: dict, progress: Progress, path: str, cfg, now: Optio
     changed = "; ".join(dataorder.changes(saved, now)) if saved is not None else ""
     if not changed:
         return progress
-    if not progress.step:
+    if not progress.step or progress.trained:
         logger.info("=> note: the training data's order changed since %s was written (%s); epoch %d is trained "
-                    "from its start, every image of it once", path, changed, progress.epoch)
+                    "from its start, every image of it once", path, changed, progress.epoch + (1 if progress.trained else 0))
         return progress
     where = f"{path} was written in the middle of epoch {progress.epoch} (after step {progress.step})"
     if cfg.on_data_change == "stop":

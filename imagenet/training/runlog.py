@@ -4,9 +4,10 @@ per epoch), the TensorBoard events (``--tensorboard``), ``skipped_images.txt``, 
 that report an epoch's overflow skips, input stages (``--decode gpu``) or input wait, and the
 run's end. :func:`input_hint` says which stage an input-bound epoch waited for.
 
-A ``--prof`` run's row goes to ``prof.jsonl`` instead, and it adds no TensorBoard scalars and no
-``skipped_images.txt`` lines: those are the folder's history of finished epochs, and a later run
-there would find in them an epoch 0 that a few batches stood for."""
+A ``--prof`` run's row goes to ``prof.jsonl`` instead, its options to ``prof-config.yaml``, and it
+adds no TensorBoard scalars and no ``skipped_images.txt`` lines: those are the folder's history of
+finished epochs, and a later run there would find in them an epoch 0 that a few batches stood
+for (and in ``config.yaml`` the options of a profile, not of the run that trained them)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class RunLog:
         self.active = ctx.is_main
         self.history = self.active and cfg.prof < 0  # what this run writes joins the folder's epochs
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl" if cfg.prof < 0 else "prof.jsonl")
+        self.config_path = os.path.join(cfg.output_dir, "config.yaml" if cfg.prof < 0 else "prof-config.yaml")
         self.skipped_path = os.path.join(cfg.output_dir, "skipped_images.txt")
         self.board = TensorBoardLog(cfg.output_dir) if cfg.tensorboard and self.history else None
 
@@ -50,7 +52,7 @@ class RunLog:
         if self.active:
             asked, ran = self.requested.to_dict(), self.cfg.to_dict()
             decided = {k: v for k, v in ran.items() if asked.get(k) != v and k != "config"}
-            with open(os.path.join(self.cfg.output_dir, "config.yaml"), "w") as fh:
+            with open(self.config_path, "w") as fh:
                 if decided:
                     fh.write("# decided for this machine (the keys below say auto; --config decides again where it "
                              "runs):\n# " + yaml.safe_dump(decided, default_flow_style=True, width=10**6).strip() + "\n")
@@ -82,18 +84,21 @@ class RunLog:
             if self.board is not None:
                 self.board.write_epoch(record)
 
-    def skipped_images(self, epoch: int, paths: list, count: int, earlier: int = 0) -> None:
-        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: this rank's;
-        ``earlier``: of ``count``, those met before the epoch's mid-epoch resume (not in ``paths``)."""
+    def skipped_images(self, epoch: int, paths: list, count: int, unlisted: int = 0) -> None:
+        """``count`` unreadable images in ``epoch`` over all ranks; ``paths``: theirs, all ranks';
+        ``unlisted``: of ``count``, those met before the epoch's mid-epoch resume whose paths its
+        checkpoint did not keep (not in ``paths``; the list says how many)."""
         if not (count and self.active):
             return
+        before = f"{unlisted} of them, met before the run resumed in this epoch, not listed" if unlisted else ""
         if self.history:
             with open(self.skipped_path, "a") as fh:
                 fh.writelines(f"epoch {epoch}\t{p}\n" for p in paths)
-        before = f"; {earlier} of them before the run resumed in this epoch, not listed" if earlier else ""
+                if unlisted:
+                    fh.write(f"# epoch {epoch}: {before} (the checkpoint resumed did not keep their paths)\n")
         logger.warning("=> epoch %d: skipped %d unreadable image(s), e.g. %s (list: %s%s)", epoch, count,
-                       ", ".join(paths[:3]) or ("before the resume" if earlier else "on other ranks"),
-                       self.skipped_path if self.history else "none under --prof", before)
+                       ", ".join(paths[:3]) or "before the resume", self.skipped_path if self.history
+                       else "none under --prof", f"; {before}" if before else "")
 
     def epoch(self, record: dict, train: TrainResult, loss_scale, stages: Optional[dict] = None) -> None:
         """One epoch's metrics row (``--prof``: in prof.jsonl), its TensorBoard scalars, and what its

@@ -41,7 +41,7 @@ from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
 from .defaults import Machine, SpeedPlan, resolve, usable_cpus, with_environment
-from .engine import LoopOptions, Steady, train_one_epoch, validate
+from .engine import LoopOptions, Steady, skipped_so_far, train_one_epoch, validate
 from .resume import resume_from
 from .runlog import RunLog
 from .savepolicy import CheckpointPolicy
@@ -180,8 +180,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
                 cfg.lr, cfg.lr_schedule, cfg.epochs)
     if cfg.prof > 0:
         logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
-                    "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl", cfg.prof,
-                    cfg.prof)
+                    "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl (its options to "
+                    "prof-config.yaml, not config.yaml)", cfg.prof, cfg.prof)
     if cfg.accum_steps > 1:
         logger.info("=> gradient accumulation: %d forward/backward passes of %d images per process make one "
                     "optimizer step", cfg.accum_steps, micro_batch_size(cfg, ctx))
@@ -249,7 +249,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
                 "img_per_s": 0.0, "last": {}}
     # The schedule is a function of the iteration: start it where this epoch begins, also when
     # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
-    _align_schedule(state.scheduler, progress.epoch * start.iters + progress.step // cfg.accum_steps)
+    _align_schedule(state.scheduler, progress.steps_done(start.iters, cfg.accum_steps))
     display = cfg.progress if cfg.progress != "auto" else ("bar" if sys.stdout.isatty() else "lines")
     opts = LoopOptions(cfg.print_freq, display, cfg.prof * cfg.accum_steps if cfg.prof > 0 else None,
                        cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
@@ -277,6 +277,8 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan, held: contextlib.ExitSt
     else:
         source = root if cfg.data else f"built-in MNIST-5k ({root})"
     train_loader, val_loader = build_loaders(cfg, data, ctx, seed)
+    for loader in (train_loader, val_loader):
+        held.callback(loader.close)  # its workers end with the run, also one that fails
     iters = len(train_loader) // cfg.accum_steps  # optimizer steps per epoch
     iters = iters if cfg.prof < 0 else min(iters, cfg.prof)
     state = build_training(cfg, ctx, len(data.classes), iters, start=_starting_weights(cfg, weights))
@@ -342,14 +344,16 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         lr_start = state.lr if progress.step == 0 else _scheduled_lrs(state.scheduler, epoch * start.iters)[0]
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
-                                stop=stop.should_stop, on_step=first.hook(saver.step_hook(state, progress)))
+                                stop=stop.should_stop,
+                                on_step=first.hook(saver.step_hook(state, progress, start.iters * cfg.accum_steps)))
         if not train.completed:
-            raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
+            skipped = skipped_so_far(progress.skipped, train.skipped_paths, ctx)
+            raise saver.stopped(state, progress.at_step(train.steps_done, train.sums, skipped), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
-                                 len(start.data.train) + len(start.data.val), earlier=progress.unreadable)
+                                 len(start.data.train) + len(start.data.val), before=progress)
         is_best = saver.is_best(val.acc1, progress)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
@@ -382,7 +386,7 @@ class _FirstStep:
 
     def hook(self, inner: Optional[Callable]) -> Callable:
         """The training loop's ``on_step``: ``inner``'s, timing the first step first."""
-        def on_step(done: int, sums: Callable[[], list]) -> None:
+        def on_step(done: int, so_far: Callable) -> None:
             if self.seconds is None:
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize(self.ctx.device)  # once a run: the step's work done, not queued
@@ -390,7 +394,7 @@ class _FirstStep:
                 logger.info("=> first step done %.1f s after start%s", self.seconds,
                             f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else "")
             if inner is not None:
-                inner(done, sums)
+                inner(done, so_far)
         return on_step
 
 
@@ -399,7 +403,9 @@ def _begin_epoch(cfg: Config, ctx, loader, progress: Progress, first: bool) -> i
     size); returns the epoch's training crop size. ``first``: the run's first epoch."""
     epoch = progress.epoch
     loader.sampler.set_epoch(epoch)
-    loader.sampler.set_start(progress.step * micro_batch_size(cfg, ctx))
+    # a trained epoch (resumed after its last step) takes no batch, also where the data has more now
+    done = max(progress.step, len(loader)) if progress.trained else progress.step
+    loader.sampler.set_start(done * micro_batch_size(cfg, ctx))
     size = image_size_at(epoch, cfg)
     if cfg.progressive_resize:
         loader.sampler.set_image_size(size)
@@ -451,12 +457,16 @@ def exceeds_bad_fraction(count: int, total: int, limit: float) -> bool:
 
 
 def _count_skipped(cfg: Config, ctx, log: RunLog, paths: list, epoch: int, total_images: int,
-                   earlier: int = 0) -> int:
-    """Unreadable images of the epoch over all ranks (every rank calls this); too many stop the run.
-    ``paths``: this process's; ``earlier``: the training images counted before a mid-epoch resume."""
+                   before: Optional[Progress] = None) -> int:
+    """Unreadable images of the epoch over all ranks (every rank calls this), listed with every
+    rank's paths; too many stop the run. ``paths``: this process's; ``before``: where a mid-epoch
+    resume started the epoch (the training images counted before it, and the paths it carried)."""
+    earlier, listed = (before.unreadable, list(before.skipped or [])) if before is not None else (0, [])
     count = torch.tensor([float(len(paths))], device=ctx.device)
     count = int(distributed.all_reduce_sum(count, ctx).item()) + earlier
-    log.skipped_images(epoch, paths, count, earlier)
+    if count > earlier:  # every rank knows: the paths of all of them, for the list rank 0 writes
+        listed += [path for mine in distributed.gather_objects(paths, ctx) for path in mine]
+    log.skipped_images(epoch, listed, count, unlisted=count - len(listed))
     if exceeds_bad_fraction(count, total_images, cfg.max_bad_fraction):
         raise UserError(f"{count} of {total_images} images could not be read in epoch {epoch}, more than "
                         f"--max-bad-fraction {cfg.max_bad_fraction}; check the dataset (see skipped_images.txt)")

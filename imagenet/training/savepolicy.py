@@ -49,15 +49,18 @@ class CheckpointPolicy:
         }
         ckpt_io.save_checkpoint(checkpoint, self.cfg.output_dir, is_best)
 
-    def step_hook(self, state: TrainState, progress: Progress) -> Optional[Callable]:
-        """The training loop's ``on_step(batches_done, sums)`` for ``--save-every-steps``, or None."""
+    def step_hook(self, state: TrainState, progress: Progress, batches: int) -> Optional[Callable]:
+        """The training loop's ``on_step(batches_done, so_far)`` for ``--save-every-steps``, or None
+        (``so_far``: a function returning an :class:`imagenet.training.engine.SoFar`). ``batches``:
+        the epoch's loader batches; a save after the last says the epoch is trained."""
         every, accum = self.cfg.save_every_steps, self.cfg.accum_steps
         if not every:
             return None
 
-        def on_step(done: int, sums: Callable[[], list]) -> None:
+        def on_step(done: int, so_far: Callable) -> None:
             if (done // accum) % every == 0:
-                self.save(state, progress.at_step(done, sums()))
+                part = so_far()
+                self.save(state, progress.at_step(done, part.sums, part.skipped, trained=done >= batches))
         return on_step
 
     def is_best(self, acc1: float, progress: Progress) -> bool:

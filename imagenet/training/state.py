@@ -96,22 +96,34 @@ class Progress:
     ranks of those batches (``metrics.DeviceSums.raw``, the unreadable images among them too), so
     a resumed epoch reports all of it.
     ``record`` is the metrics row of the epoch before ``epoch``: saved with the checkpoint, so a
-    run that died after the checkpoint but before writing the row still gets it on resume."""
+    run that died after the checkpoint but before writing the row still gets it on resume.
+    ``trained``: the epoch's training is done, its validation is not (a checkpoint after its last
+    step: ``--save-every-steps``, what an elastic restart resumes from); a resume trains none of
+    it, whatever the data now holds, and the next epoch starts at its beginning. ``skipped``: the
+    paths of the unreadable images of the part done, all ranks (the first ``engine.CARRIED_PATHS``;
+    :attr:`unreadable` counts them all), so the resumed epoch lists them too."""
 
     epoch: int = 0
     step: int = 0
     best_acc1: float = 0.0
     sums: Optional[list] = None
     record: Optional[dict] = None
+    trained: bool = False
+    skipped: Optional[list] = None
 
     @property
     def unreadable(self) -> int:
         """Unreadable training images of the part of the epoch done, all ranks (they ride in ``sums``)."""
         return means(self.sums)["unreadable"] if self.sums else 0
 
-    def at_step(self, step: int, sums: Optional[list]) -> "Progress":
-        """This epoch, ``step`` batches in."""
-        return dataclasses.replace(self, step=step, sums=sums)
+    def at_step(self, step: int, sums: Optional[list], skipped: Optional[list] = None,
+                trained: bool = False) -> "Progress":
+        """This epoch, ``step`` batches in (``trained``: its last), the unreadable images' paths met ``skipped``."""
+        return dataclasses.replace(self, step=step, sums=sums, skipped=skipped or None, trained=trained and step > 0)
+
+    def steps_done(self, iters: int, accum: int) -> int:
+        """The run's optimizer steps before this point, at ``iters`` an epoch (a trained epoch's all)."""
+        return (self.epoch + 1) * iters if self.trained else self.epoch * iters + self.step // accum
 
     def next_epoch(self, acc1: float, record: Optional[dict] = None) -> "Progress":
         """The start of the next epoch, after one that validated at ``acc1`` (its metrics row: ``record``)."""
@@ -121,6 +133,10 @@ class Progress:
         out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1}
         if self.step and self.sums is not None:
             out["train_partial"] = self.sums
+        if self.step and self.trained:
+            out["epoch_trained"] = True
+        if self.step and self.skipped:
+            out["skipped_partial"] = list(self.skipped)
         if self.record is not None:
             out["epoch_record"] = self.record
         return out
@@ -132,6 +148,8 @@ class Progress:
         self.step = int(state.get("step_in_epoch", 0))
         self.sums = state.get("train_partial") if self.step else None
         self.record = state.get("epoch_record")
+        self.trained = bool(self.step and state.get("epoch_trained"))
+        self.skipped = ([str(p) for p in state.get("skipped_partial") or []] or None) if self.step else None
 
 
 def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Optional[tuple] = None,

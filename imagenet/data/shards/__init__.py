@@ -2,8 +2,10 @@
 
 * ``index`` -- the format: ``index.json``, the per-sample tables, the start-up checks.
 * ``dataset`` -- a shard folder recognised, its samples read with one ``pread`` each.
-* ``writer`` -- ``scripts/make_shards.py``: an image folder packed into shards, restartably.
+* ``writer`` -- ``scripts/make_shards.py``: an image folder packed into shards, restartably; a
+  rebuild writes the index's next generation beside the files a running job reads.
 * ``remote`` -- shard folders behind a URL (fsspec), copied into a local cache versioned by content.
+* ``lease`` -- a run's shared lock on the version it reads, which keeps a writer from deleting it.
 
 May import: ``imagenet.base``, the shared modules of ``imagenet.data``, and
 ``imagenet.data.images`` (the writer reads an image folder); not ``imagenet.data.gpu``.

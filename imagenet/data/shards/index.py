@@ -8,8 +8,9 @@ A shard folder holds::
     train-index.npy         one ROW per sample: the shard, byte offset and size of its image's data,
     val-index.npy           its label and its id (its index in an ImageFolder of the source folder)
     classes.txt             the class names, one a line: line n is label n
-    index.json              the classes and, per split, its samples, its shards (name, bytes, samples),
-                            the images left out (unreadable when packed) and the images' formats
+    index.json              the classes and, per split, its table, its samples, its shards (name, bytes,
+                            samples), the images left out (unreadable when packed) and the images' formats
+    .generations/G.json     the files that generation G of the index names: what a run reading it leases
 
 ``index.json`` is written last: a folder without it is an unfinished conversion. With the index,
 start-up lists no files and reads no tar headers, and a worker reads a sample with one pread.
@@ -17,6 +18,12 @@ An image the converter could not read is not packed but listed under ``left_out`
 the split, id, label, the shard it would have gone into, and why), so a run from the shards
 skips and counts it where a run from the folder would. Indexes written before ``left_out`` and
 ``formats`` existed read as having none and as of unknown format.
+
+A file the index names never changes. Each rebuild of the folder is a generation of its index
+(``generation`` in ``index.json``; 0, the first, when absent): the shards and tables it writes
+get names of their own (``train-000003.g2.tar``, ``train-index.g2.npy``), ``index.json`` is
+replaced last, by a rename, and the files of earlier generations stay for the runs that read
+them (:func:`hold`); ``make_shards`` removes them once no run does (its module says when).
 """
 
 from __future__ import annotations
@@ -29,22 +36,34 @@ from typing import Optional
 import numpy as np
 
 from ...base.errors import UserError
+from .lease import NO_LOCKS, Lease
 
 FORMAT = "imagenet-shards"
 VERSION = 1
 INDEX = "index.json"
 CLASSES = "classes.txt"
+GENERATIONS = ".generations"  # one record per generation of the index: the files it names
 SPLITS = ("train", "val")
 ROW = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("label", "<i4"), ("id", "<i8")])
 MAKE_HINT = "python scripts/make_shards.py IMAGE_FOLDER {root}"
 
 
-def shard_name(split: str, number: int) -> str:
-    return f"{split}-{number:06d}.tar"
+def _generation_tag(generation: int) -> str:
+    return f".g{generation}" if generation else ""  # the first generation keeps the plain names
 
 
-def table_name(split: str) -> str:
-    return f"{split}-index.npy"
+def shard_name(split: str, number: int, generation: int = 0) -> str:
+    """Shard ``number`` as ``generation`` of the index writes it."""
+    return f"{split}-{number:06d}{_generation_tag(generation)}.tar"
+
+
+def table_name(split: str, generation: int = 0) -> str:
+    return f"{split}-index{_generation_tag(generation)}.npy"
+
+
+def record_path(root: str, generation: int) -> str:
+    """The record of the files that ``generation`` of the index names, which a run reading it leases."""
+    return os.path.join(root, GENERATIONS, f"{generation}.json")
 
 
 def has_tars(root: str) -> bool:
@@ -65,10 +84,14 @@ class SplitIndex:
     samples: int  # packed: the rows of the table
     left_out: list = field(default_factory=list)  # {"name", "id", "label", "shard", "reason"} per image not packed
     formats: Optional[dict] = None  # images per format ("jpg": n, "png": m); None in older indexes
+    table_file: str = ""  # the table's file name (default: the first generation's, table_name)
+
+    def __post_init__(self):
+        self.table_file = self.table_file or table_name(self.name)
 
     @property
     def table_path(self) -> str:
-        return os.path.join(self.root, table_name(self.name))
+        return os.path.join(self.root, self.table_file)
 
     def path(self, shard: int) -> str:
         return os.path.join(self.root, self.shards[shard]["name"])
@@ -90,6 +113,16 @@ class ShardIndex:
     @property
     def shard_count(self) -> int:
         return sum(len(s.shards) for s in self.splits.values())
+
+    @property
+    def generation(self) -> int:
+        """Which rebuild of the folder this index is (0: the first conversion)."""
+        return int(self.meta.get("generation", 0))
+
+    def files(self) -> list:
+        """Every file this index names: the tables and the shards."""
+        return [split.table_file for split in self.splits.values()] + [
+            shard["name"] for split in self.splits.values() for shard in split.shards]
 
     def images_are_jpeg(self) -> Optional[bool]:
         """Whether most training images are JPEGs (``--decode auto``); None when the index does
@@ -127,7 +160,8 @@ def _split(root: str, name: str, entry: dict) -> SplitIndex:
                 for item in entry.get("left_out", [])]
     formats = entry.get("formats")
     return SplitIndex(root, name, list(entry["shards"]), int(entry["samples"]), left_out,
-                      {str(k): int(v) for k, v in formats.items()} if isinstance(formats, dict) else None)
+                      {str(k): int(v) for k, v in formats.items()} if isinstance(formats, dict) else None,
+                      str(entry.get("table") or table_name(name)))
 
 
 def read_index(root: str) -> ShardIndex:
@@ -149,6 +183,26 @@ def read_index(root: str) -> ShardIndex:
             raise UserError(f"{split.table_path} does not match {INDEX} ({len(table)} rows of {table.dtype}, the "
                             f"index says {split.samples}); rerun {MAKE_HINT.format(root=root)}")
     return index
+
+
+def hold(index: ShardIndex) -> Optional[Lease]:
+    """A run's lease on the generation of ``index`` (:mod:`.lease`): while it is held, no rebuild
+    by ``make_shards`` removes the files this index names. None where there is nothing to lease
+    (a folder written before the records, a URL's cached copy) or this file system has no locks;
+    the previous generation's files are kept in any case."""
+    try:
+        lease = Lease(record_path(index.root, index.generation), create=False)  # the run may not write here
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in NO_LOCKS or isinstance(e, PermissionError):
+            return None
+        raise UserError(f"cannot read {record_path(index.root, index.generation)} ({e.strerror or e})") from None
+    if lease.removed:  # two rebuilds since this run read the index, the second removing its files
+        lease.close()
+        raise UserError(f"{index.root} was rebuilt by make_shards while this run started, and the files of the "
+                        f"index it read are gone; run the command again")
+    return lease
 
 
 def check_shards(index: ShardIndex) -> None:

@@ -25,10 +25,10 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from ...base.errors import UserError
-from .index import CLASSES, INDEX, MAKE_HINT, SPLITS, parse_index, table_name
+from .index import CLASSES, INDEX, MAKE_HINT, parse_index
+from .lease import Lease, remove_unread
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +73,13 @@ def version_name(index_text: str) -> str:
     return hashlib.sha1(index_text.encode()).hexdigest()[:16]
 
 
-class CacheLease:
-    """A run's shared lock on the cached version it reads: while held, no copy of a newer version
-    deletes it. The system releases it if the process dies."""
+class CacheLease(Lease):
+    """A run's shared lock on the cached version it reads (:class:`.lease.Lease`): while held, no
+    copy of a newer version deletes it. ``path``: the version's folder."""
 
     def __init__(self, version: Path):
+        super().__init__(str(version / READERS))
         self.path = str(version)
-        self._fh: Optional[object] = open(version / READERS, "a")
-        fcntl.flock(self._fh, fcntl.LOCK_SH)
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()  # releases the lock
-            self._fh = None
 
 
 def local_copy(url: str, cache_dir, progress: bool = True) -> CacheLease:
@@ -118,8 +112,8 @@ def local_copy(url: str, cache_dir, progress: bool = True) -> CacheLease:
             logger.info("=> %s changed since it was cached: copying the new version beside the old", url)
         for stale in target.glob("*.tmp*"):  # an interrupted copy's (no other copy runs: the lock)
             stale.unlink(missing_ok=True)
-        files = [(table_name(s), None) for s in SPLITS] + [(CLASSES, None)]
-        files += [(shard["name"], shard["bytes"]) for s in SPLITS for shard in index.splits[s].shards]
+        files = [(split.table_file, None) for split in index.splits.values()] + [(CLASSES, None)]
+        files += [(shard["name"], shard["bytes"]) for split in index.splits.values() for shard in split.shards]
         _copy(fs, root, target, files, url, progress)  # what is missing: all of a new version, a file lost since
         if not complete:
             tmp = target / f"{INDEX}.tmp{os.getpid()}"
@@ -140,12 +134,9 @@ def _remove_unused(folder: Path, keep: Path) -> None:
             old.unlink(missing_ok=True)
             continue
         try:
-            with open(old / READERS, "a") as readers:
-                fcntl.flock(readers, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a run holds it
-                shutil.rmtree(old, ignore_errors=True)
+            # False: a run still reads it, a later copy removes it; None: no locks here to tell by
+            if remove_unread(str(old / READERS), lambda old=old: shutil.rmtree(old, ignore_errors=True)):
                 logger.info("=> removed %s from the shard cache: an older version of the data, no run reads it", old)
-        except BlockingIOError:
-            continue  # a run still reads it: a later copy removes it
         except OSError as e:
             logger.warning("=> could not remove the old cached version %s (%s)", old, e.strerror or e)
 

@@ -25,6 +25,16 @@ modification time of the files it covers (and of the next one, whose size decide
 shard ended): a rerun after files changed (a bad file repaired, an image replaced) rewrites
 the shards from the first one whose files changed on, and keeps those before it, which are
 then byte for byte what a fresh conversion writes.
+
+A rebuild never changes a file that a finished index names, since a running job may read it (a
+job opens shards long after it read the index). It is the index's next generation
+(:mod:`.index`): the shards it rewrites and its tables get names of their own, the finished
+index stays in place, read, until the new one replaces it by a rename, and ``--overwrite``
+builds the next generation afresh beside the one in use. Then the files of earlier generations
+that no run reads go (:func:`_tidy`, also on a run with nothing to do): a run leases the
+generation it reads (:func:`.index.hold`), and the previous generation's files stay in any case,
+for a job that read it where locks do not reach (another machine on a file system without them);
+``prune`` removes those too, when no run holds them.
 """
 
 from __future__ import annotations
@@ -48,7 +58,9 @@ from PIL import Image
 from ...base.errors import UserError
 from ..images.folder import SafeImageFolder, check_layout
 from .dataset import SampleBytes
-from .index import CLASSES, FORMAT, INDEX, ROW, SPLITS, VERSION, shard_name, table_name
+from .index import (CLASSES, FORMAT, GENERATIONS, INDEX, ROW, SPLITS, VERSION, record_path, shard_name,
+                    table_name)
+from .lease import remove_unread
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +96,9 @@ class Report:
     finished_before: bool = False  # the folder already held this conversion
     changed_source: bool = False  # source files changed since the folder's conversion: its later shards rewritten
     note: str = ""  # what the user should know about a finished conversion left as it was
+    generation: int = 0  # of the index the folder holds now (0: its first conversion)
+    removed: list = field(default_factory=list)  # earlier generations whose files went: no run read them
+    in_use: list = field(default_factory=list)  # earlier generations kept: a run reads them, or no lock can tell
 
 
 def _load(path: str) -> tuple:
@@ -200,6 +215,10 @@ class _Journal:
     def remove(self, name: str) -> None:
         os.unlink(self._path(name))
 
+    def generation(self) -> int:
+        """The generation of the index this conversion writes (0 in a journal from before they were counted)."""
+        return int((self.read("generation") or {}).get("generation", 0))
+
     def write(self, name: str, record: dict) -> None:
         os.makedirs(self.dir, exist_ok=True)
         tmp = self._path(name) + ".tmp"
@@ -208,18 +227,23 @@ class _Journal:
         os.replace(tmp, self._path(name))
 
 
+_SHARD_FILE = re.compile(r"(train|val)-(\d{6})(?:\.g(\d+))?\.tar(\.tmp)?")  # split, number, generation
+_DATA_FILE = re.compile(r"((train|val)-\d{6}(\.g\d+)?\.tar|(train|val)-index(\.g\d+)?\.npy)(\.tmp)?")
+
+
 def _ours(name: str) -> bool:
     """Files this tool writes into OUT (the only ones it ever removes)."""
-    return (re.fullmatch(r"(train|val)-\d{6}\.tar(\.tmp)?", name) is not None
-            or name in {INDEX, CLASSES, BAD_FILES, *(table_name(s) for s in SPLITS)}
-            or name.startswith(tuple(f"{x}.tmp" for x in (INDEX, *(table_name(s) for s in SPLITS)))))
+    return (_DATA_FILE.fullmatch(name) is not None or name in {INDEX, CLASSES, BAD_FILES}
+            or name in {f"{x}.tmp" for x in (INDEX, CLASSES, BAD_FILES)})
 
 
 def _clear(out: str) -> None:
+    """Remove every file of ours (``out`` holds no index: no run reads any of them)."""
     for name in os.listdir(out):
         if _ours(name):
             os.unlink(os.path.join(out, name))
     shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)
+    shutil.rmtree(os.path.join(out, GENERATIONS), ignore_errors=True)
 
 
 @dataclass
@@ -274,8 +298,11 @@ def _plan(src: str, splits: dict, shard_size: int, seed: int) -> dict:
 
 def _start(out: str, plan: dict, splits: dict, overwrite: bool) -> Optional[dict]:
     """Decide what a run in ``out`` does; returns the finished index when there is nothing to do.
-    A finished conversion of this plan whose source files changed becomes an unfinished one that
-    continues after its last unchanged shard."""
+    A finished conversion of this plan whose source files changed becomes the journal of the
+    index's next generation, which continues after its last unchanged shard; ``overwrite`` starts
+    the next generation afresh. Either way the finished index stays, read by whoever reads it,
+    until :func:`_finish` replaces it. Without an index no run reads the folder's files."""
+    journal = _Journal(out)
     index_path = os.path.join(out, INDEX)
     if os.path.exists(index_path):
         with open(index_path) as fh:
@@ -284,12 +311,14 @@ def _start(out: str, plan: dict, splits: dict, overwrite: bool) -> Optional[dict
             except ValueError:
                 done = {}
         made_by = done.get("made_by") or {}
+        following = int(done.get("generation", 0)) + 1
         if made_by == plan and not overwrite:
             shards = {split: done["splits"][split]["shards"] for split in SPLITS}
             if all(_first_changed(splits[split], shards[split]) == len(shards[split]) for split in SPLITS):
-                shutil.rmtree(os.path.join(out, JOURNAL), ignore_errors=True)  # left if the last run stopped right here
+                shutil.rmtree(journal.dir, ignore_errors=True)  # left if the last run stopped right here
                 return done
-            _reopen(out, done)
+            if not _continues(journal, plan, following, reopened=True):  # else an interrupted rebuild goes on
+                _reopen(out, done, following)
             return None
         if {k: v for k, v in made_by.items() if k != "source"} == plan and not overwrite:
             # an earlier make_shards's: it recorded no sizes or times, so changes cannot be told
@@ -299,8 +328,9 @@ def _start(out: str, plan: dict, splits: dict, overwrite: bool) -> Optional[dict
         if not overwrite:
             raise UserError(f"{out} already holds a finished conversion of other images or other settings "
                             f"({made_by}); choose another folder, or pass --overwrite to replace it")
-        _clear(out)
-    journal = _Journal(out)
+        if not _continues(journal, plan, following, reopened=False):
+            _begin(journal, plan, following)
+        return None
     previous = journal.read("plan")
     if previous is not None and previous != plan:
         logger.info("%s holds an unfinished conversion of other images or settings: starting over", out)
@@ -310,8 +340,23 @@ def _start(out: str, plan: dict, splits: dict, overwrite: bool) -> Optional[dict
             raise UserError(f"{out} holds shard files that no unfinished conversion explains; choose an empty "
                             "folder, or pass --overwrite to replace them")
         _clear(out)
-    journal.write("plan", plan)
+    if previous != plan:
+        _begin(journal, plan, 0)
     return None
+
+
+def _continues(journal: _Journal, plan: dict, generation: int, reopened: bool) -> bool:
+    """Whether the journal is an interrupted conversion into ``generation`` of this plan, of the
+    same kind (a rebuild after changed files, or one from scratch)."""
+    return (journal.read("plan") == plan and journal.generation() == generation
+            and (journal.read("reopened") is not None) == reopened)
+
+
+def _begin(journal: _Journal, plan: dict, generation: int) -> None:
+    """A journal for a conversion from scratch into ``generation`` of the index."""
+    shutil.rmtree(journal.dir, ignore_errors=True)
+    journal.write("plan", plan)
+    journal.write("generation", {"generation": generation})
 
 
 def _first_changed(split: _Split, records: list) -> int:
@@ -325,42 +370,45 @@ def _first_changed(split: _Split, records: list) -> int:
     return len(records)
 
 
-def _reopen(out: str, done: dict) -> None:
-    """Turn the finished index ``done`` back into a journal of its shards, and drop the index: the
-    conversion continues after the shards whose files did not change (:func:`_resume_point`)."""
+def _reopen(out: str, done: dict, generation: int) -> None:
+    """Turn the finished index ``done`` into the journal of ``generation``, which holds its shards
+    (by their names) and continues after the ones whose files did not change (:func:`_resume_point`).
+    The index stays: runs read it until the new generation's replaces it."""
     journal = _Journal(out)
-    shutil.rmtree(journal.dir, ignore_errors=True)
+    _begin(journal, done["made_by"], generation)
     for split in SPLITS:
         entry = done["splits"][split]
-        table = np.load(os.path.join(out, table_name(split)))
+        table = np.load(os.path.join(out, entry.get("table") or table_name(split)))
         left_out = entry.get("left_out", [])
         for number, shard in enumerate(entry["shards"]):
             rows = table[table["shard"] == number]
             journal.write(shard_name(split, number), {
                 "rows": [list(r) for r in zip(rows["offset"].tolist(), rows["size"].tolist(), rows["label"].tolist(),
                                               rows["id"].tolist())],
-                "bytes": shard["bytes"], "next": shard["next"], "sources": shard["sources"],
+                "name": shard["name"], "bytes": shard["bytes"], "next": shard["next"], "sources": shard["sources"],
                 "formats": shard.get("formats", {}),
                 "bad": [[b["name"], b["reason"], b["id"], b["label"]] for b in left_out if b["shard"] == number]})
-    journal.write("plan", done["made_by"])
-    journal.write("reopened", {})  # for the report: the source changed, no run was interrupted
-    os.unlink(os.path.join(out, INDEX))
+    journal.write("reopened", {})  # the source changed, no run was interrupted (for the report)
 
 
 @dataclass
 class _Writer:
-    """Where and how a conversion writes: its folder, journal, largest shard, reading pool, progress bar."""
+    """Where and how a conversion writes: its folder, journal, largest shard, reading pool, progress
+    bar, and the generation of the index it writes (which names its new shards)."""
 
     out: str
     journal: _Journal
     shard_size: int
     pool: object
     bar: object
+    generation: int = 0
 
 
 def make_shards(src: str, out: str, *, shard_size: int, seed: int = 0, workers: int = 0, progress: bool = True,
-                overwrite: bool = False) -> Report:
-    """Convert the image folder ``src`` (``train/``, ``val/``) into tar shards in ``out``."""
+                overwrite: bool = False, prune: bool = False) -> Report:
+    """Convert the image folder ``src`` (``train/``, ``val/``) into tar shards in ``out``; then
+    remove the files of earlier generations of its index that no run reads (the previous
+    generation's only with ``prune``)."""
     from tqdm import tqdm
     classes = check_layout(src)
     splits = _splits(src, seed)
@@ -378,6 +426,12 @@ def make_shards(src: str, out: str, *, shard_size: int, seed: int = 0, workers: 
             for split in SPLITS:
                 report.samples[split] = done["splits"][split]["samples"]
                 report.shards[split] = len(done["splits"][split]["shards"])
+            report.generation = int(done.get("generation", 0))
+            try:
+                report.removed, report.in_use = _tidy(out, prune)
+            except OSError as e:  # a folder this user may read, not write: nothing to do is still nothing
+                logger.warning("could not remove the files of older versions of the index in %s (%s)", out,
+                               e.strerror or e)
             return report
         journal = _Journal(out)
         report.changed_source = journal.read("reopened") is not None
@@ -386,10 +440,12 @@ def make_shards(src: str, out: str, *, shard_size: int, seed: int = 0, workers: 
         pool = multiprocessing.get_context().Pool(workers, initializer=_pool_worker) if workers > 0 else None
         with tqdm(total=sum(len(s.samples) for s in splits.values()), initial=report.continued_from, unit="img",
                   desc="make_shards", disable=not progress or None) as bar:
-            writer = _Writer(out, journal, shard_size, pool, bar)
+            writer = _Writer(out, journal, shard_size, pool, bar, journal.generation())
             for split in SPLITS:
                 _pack(writer, splits[split], resume[split])
-        return _finish(src, writer, classes, plan, splits, report)
+        _finish(src, writer, classes, plan, splits, report)
+        report.removed, report.in_use = _tidy(out, prune)
+        return report
     except OSError as e:
         raise UserError(f"cannot write into {out} ({e.strerror or e}); free space there and rerun: the conversion "
                         "continues where it stopped") from None
@@ -400,8 +456,9 @@ def make_shards(src: str, out: str, *, shard_size: int, seed: int = 0, workers: 
 
 def _resume_point(out: str, journal: _Journal, split: _Split) -> tuple:
     """(next shard number or None when the split is done, images done) of ``split`` from the
-    journal, up to the first shard whose files changed since; the files of later shards (one
-    being written when the last run stopped, ones to rewrite) go."""
+    journal, up to the first shard whose files changed since; the files this generation wrote for
+    later shards (one being written when the last run stopped, ones to rewrite) go. No index
+    names them; the files of earlier generations stay."""
     done = journal.read(f"{split.name}-done")
     if done is not None:
         return None, done["positions"]
@@ -411,9 +468,10 @@ def _resume_point(out: str, journal: _Journal, split: _Split) -> tuple:
     number = _first_changed(split, records)
     for stale in range(number, len(records)):
         journal.remove(shard_name(split.name, stale))
+    generation = journal.generation()
     for name in os.listdir(out):
-        m = re.fullmatch(rf"{split.name}-(\d{{6}})\.tar(\.tmp)?", name)
-        if m and int(m.group(1)) >= number:
+        m = _SHARD_FILE.fullmatch(name)
+        if m and m.group(1) == split.name and int(m.group(2)) >= number and int(m.group(3) or 0) == generation:
             os.unlink(os.path.join(out, name))
     return number, records[number - 1]["next"] if number else 0
 
@@ -434,12 +492,12 @@ def _pack(writer: _Writer, split: _Split, resume: tuple) -> None:
             bad.append([os.path.relpath(split.samples[image_id][0], split.dir), reason, image_id, label])
             continue
         if shard is None:
-            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number)))
+            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number, writer.generation)))
         members, size = shard.cost(keys[image_id], ext, data, label)
         if shard.rows and shard.bytes + size + 2 * BLOCK > writer.shard_size:
             _close(writer.journal, split, number, shard, (start, position + step), bad)
             number, bad, start = number + 1, [], position + step
-            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number)))
+            shard = _Shard(os.path.join(writer.out, shard_name(split.name, number, writer.generation)))
         shard.add(members, size, label, image_id)
         shard.formats[ext] = shard.formats.get(ext, 0) + 1
     if shard is not None and shard.rows:
@@ -452,20 +510,22 @@ def _close(journal: _Journal, split: _Split, number: int, shard: _Shard, positio
     """Finish shard ``number``, which holds ``positions`` = (first, end) of the split's order, and record it."""
     size = shard.close()
     journal.write(shard_name(split.name, number), {
-        "rows": shard.rows, "bytes": size, "next": positions[1], "bad": bad, "formats": shard.formats,
-        "sources": split.sources(*positions)})
+        "name": os.path.basename(shard.path), "rows": shard.rows, "bytes": size, "next": positions[1], "bad": bad,
+        "formats": shard.formats, "sources": split.sources(*positions)})
 
 
-def _finish(src: str, writer: _Writer, classes: list, plan: dict, splits: dict, report: Report) -> Report:
-    """The tables, the class list, the bad-file list, then the index: the conversion is complete."""
-    out, journal = writer.out, writer.journal
+def _finish(src: str, writer: _Writer, classes: list, plan: dict, splits: dict, report: Report) -> None:
+    """The tables, the class list, the bad-file list, the generation's record, then the index,
+    replaced by a rename: the conversion is complete."""
+    out, journal, generation = writer.out, writer.journal, writer.generation
     entries = {}
     for split in SPLITS:
         rows, shards, left_out, formats, number, first = [], [], [], {}, 0, 0
         while (record := journal.read(shard_name(split, number))) is not None:
             first = shards[-1]["next"] if shards else 0
             rows += [(number, *row) for row in record["rows"]]
-            shards.append({"name": shard_name(split, number), "bytes": record["bytes"], "samples": len(record["rows"]),
+            name = record.get("name") or shard_name(split, number, generation)  # a journal's from before names varied
+            shards.append({"name": name, "bytes": record["bytes"], "samples": len(record["rows"]),
                            "next": record["next"], "sources": record["sources"], "formats": record["formats"]})
             left_out += [(number, *b) for b in record["bad"]]
             for ext, n in record["formats"].items():
@@ -480,8 +540,9 @@ def _finish(src: str, writer: _Writer, classes: list, plan: dict, splits: dict, 
         if not rows:
             raise UserError(f"no image of {os.path.join(src, split)} could be read ({len(splits[split].samples)} "
                             f"tried); see {os.path.join(out, BAD_FILES)}")
-        _atomic(os.path.join(out, table_name(split)), lambda fh, rows=rows: np.save(fh, np.array(rows, dtype=ROW)))
-        entries[split] = {"samples": len(rows), "table": table_name(split), "shards": shards, "formats": formats,
+        table = table_name(split, generation)
+        _atomic(os.path.join(out, table), lambda fh, rows=rows: np.save(fh, np.array(rows, dtype=ROW)))
+        entries[split] = {"samples": len(rows), "table": table, "shards": shards, "formats": formats,
                           "skipped": len(left_out),
                           "left_out": [{"name": path, "id": image_id, "label": label, "shard": shard, "reason": reason}
                                        for shard, path, reason, image_id, label in left_out]}
@@ -492,11 +553,87 @@ def _finish(src: str, writer: _Writer, classes: list, plan: dict, splits: dict, 
         _atomic(bad_path, lambda fh: fh.write("".join(f"{s}/{p}\t{r}\n" for s, p, r in report.bad).encode()))
     elif os.path.exists(bad_path):
         os.unlink(bad_path)
-    index = {"format": FORMAT, "version": VERSION, "classes": classes, "made_by": plan,
+    index = {"format": FORMAT, "version": VERSION, "generation": generation, "classes": classes, "made_by": plan,
              "source": os.path.realpath(src), "splits": entries}
+    outgoing = _read_json(os.path.join(out, INDEX))
+    if outgoing:  # one written before the records: what it names must be known once it is replaced
+        _record(out, outgoing)
+    _record(out, index)
     _atomic(os.path.join(out, INDEX), lambda fh: fh.write(json.dumps(index, indent=1).encode()))
     shutil.rmtree(journal.dir, ignore_errors=True)
-    return report
+    report.generation = generation
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _named(index: dict) -> set:
+    """The files an index (its JSON) names: its tables and shards."""
+    return {name for split in SPLITS for name in [index["splits"][split].get("table") or table_name(split)]
+            + [shard["name"] for shard in index["splits"][split]["shards"]]}
+
+
+def _record(out: str, index: dict) -> None:
+    """The record of the files ``index``'s generation names, which runs reading it lease (once made)."""
+    path = record_path(out, int(index.get("generation", 0)))
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        record = {"generation": int(index.get("generation", 0)), "files": sorted(_named(index))}
+        _atomic(path, lambda fh: fh.write(json.dumps(record).encode()))
+
+
+def _tidy(out: str, prune: bool) -> tuple:
+    """Remove the files of earlier generations of the index that no run reads: of each one whose
+    record no run holds (:func:`.lease.remove_unread`), what no generation kept names, then the
+    record; and files of ours that no record names (an abandoned conversion's). The current and,
+    unless ``prune``, the previous generation stay. Returns (generations removed, generations
+    kept because a run reads them or this file system has no locks to tell by)."""
+    current = _read_json(os.path.join(out, INDEX))
+    try:
+        named = _named(current)
+    except (KeyError, TypeError):
+        return [], []  # an index we cannot read: it keeps everything
+    _record(out, current)
+    now = int(current.get("generation", 0))
+    records = {}
+    folder = os.path.join(out, GENERATIONS)
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"(\d+)\.json", name)
+        record = _read_json(os.path.join(folder, name)) if m else None
+        if record is not None:
+            records[int(m.group(1))] = set(record.get("files", []))
+    earlier = sorted(g for g in records if g < now)
+    keep = {now} | ({earlier[-1]} if earlier and not prune else set())
+    removed, in_use = [], []
+    for g in sorted(set(records) - keep):
+        others = set().union(named, *(files for k, files in records.items() if k != g))
+
+        def remove(g=g, others=others):
+            for name in records[g] - others:
+                if not _DATA_FILE.fullmatch(name):
+                    continue  # a record names only shards and tables; anything else is not ours to remove
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(out, name))
+            os.unlink(record_path(out, g))
+        unread = remove_unread(record_path(out, g), remove)
+        if unread is None and prune:  # no locks here: the user said no run reads it
+            remove()
+            unread = True
+        if unread:
+            del records[g]
+            removed.append(g)
+        else:
+            in_use.append(g)
+    named = named.union(*records.values())
+    for name in os.listdir(out):
+        if _DATA_FILE.fullmatch(name) and name not in named:
+            os.unlink(os.path.join(out, name))
+    return removed, in_use
 
 
 def _atomic(path: str, write) -> None:
