@@ -1,6 +1,6 @@
 """``--bn-kernel cudnn``: the BatchNorm statistics made in the convolution's epilogue by a cuDNN
 fusion graph (imagenet/kernels/convstats.py), their finishing kernel and the blocks that use them
-(imagenet/kernels/fusedbn.py), and when ``auto`` chooses them (imagenet/training/defaults.py).
+(imagenet/kernels/fusedbn.py, imagenet/models/fusedresnet.py), and when ``auto`` chooses them (imagenet/training/defaults.py).
 
 On a CPU the op runs torch's convolution and sums under Triton's interpreter, so the blocks' plumbing,
 the finishing kernel and the gradients are checked here; the cuDNN graphs themselves on a GPU."""
@@ -113,14 +113,14 @@ def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, com
     import torch.nn as nn
     from torchvision.models.resnet import Bottleneck, ResNet
 
-    from imagenet.kernels import fusedbn
+    from imagenet.models import fusedresnet
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     ref = ResNet(Bottleneck, [2, 1, 1, 1], num_classes=5, width_per_group=16)
     ref.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
     ref = ref.to(device, memory_format=torch.channels_last)
-    models = {"torch": ref, "triton": fusedbn.fuse_resnet(copy.deepcopy(ref)),
-              "conv": fusedbn.fuse_resnet(copy.deepcopy(ref), stats_in_conv=True)}
+    models = {"torch": ref, "triton": fusedresnet.fuse_resnet(copy.deepcopy(ref)),
+              "conv": fusedresnet.fuse_resnet(copy.deepcopy(ref), stats_in_conv=True)}
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
     out = {}
     for name, m in models.items():
@@ -139,7 +139,7 @@ def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, com
     def rel(a, b):
         return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
-    result = {"uses": fusedbn.uses_conv_stats(models["conv"]) and not fusedbn.uses_conv_stats(models["triton"])}
+    result = {"uses": fusedresnet.uses_conv_stats(models["conv"]) and not fusedresnet.uses_conv_stats(models["triton"])}
     for name, other in (("torch", "torch"), ("triton", "triton"), ("triton_vs_torch", "torch")):
         y, g, b = out[other]
         cy, cg, cb = out["triton" if name == "triton_vs_torch" else "conv"]

@@ -107,17 +107,17 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
     sweep = _load("bn_kernel_sweep")
     from types import SimpleNamespace as K
 
-    from imagenet.kernels import fusedbn
+    from imagenet.kernels import bnlaunch
     kernels = []
     monkeypatch.setattr(sweep, "compiled", lambda kernel: list(kernels))
     known, seen = {}, set()
     kernels.append(K(n_regs=128, n_spills=0, metadata=K(shared=65536)))
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 4, 4), known, seen) == (128, 0, 65536)  # same kernel
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 4, 4), known, seen) == (128, 0, 65536)  # same kernel
     kernels.append(K(n_regs=64, n_spills=2, metadata=K(shared=0)))
-    assert sweep.resources("stats", fusedbn.Launch(4096, 8, 2, 1), known, seen) == (64, 2, 0)
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
-    assert sweep.resources("grad", fusedbn.Launch(2048, 4, 2, 4), known, seen) == (None, None, None)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 8, 2, 1), known, seen) == (64, 2, 0)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("grad", bnlaunch.Launch(2048, 4, 2, 4), known, seen) == (None, None, None)
     assert sweep.resident(128, 0, 4) == 4  # 65536 / (128 * 32 * 4)
     assert sweep.resident(128, 65536, 4) == 3  # 228 KB / 65 KB
     assert sweep.resident(32, 0, 16) == 4  # at most 64 warps
@@ -126,11 +126,11 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
 
 def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     """Every BatchNorm of ResNet-50 once, in order; the residual BatchNorms of all blocks but the
-    last take two gradients (fusedbn.fuse_resnet forks those outputs), and their gradient sums count one
+    last take two gradients (fusedresnet.fuse_resnet forks those outputs), and their gradient sums count one
     pass more."""
     pytest.importorskip("triton")
     sweep = _load("bn_kernel_sweep")
-    from imagenet.kernels import fusedbn
+    from imagenet.kernels import bnlaunch
     layers = sweep.resnet50_layers(2)
     assert len(layers) == 53
     forked = [layer for layer in layers if layer[6]]
@@ -140,12 +140,12 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     applies = [i for i, layer in enumerate(layers) if layer[7] == "applies"]
     assert len(applies) == 4 and all(layers[i + 1][7] == "folded" and not layers[i + 1][4] for i in applies)
     x = torch.empty(2, 8, 4, 4)
-    one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_BITS}
+    one = {"x": x, "r": x, "dy2": None, "mask": bnlaunch.MASK_FROM_BITS}
     two = dict(one, dy2=x)
     # the second gradient is read by the gradient sums; the input gradients read the kept masked gradient alone
     assert sweep.phase_bytes("grad", two) - sweep.phase_bytes("grad", one) == x.numel() * 2
     assert sweep.phase_bytes("grad_input", two) == sweep.phase_bytes("grad_input", one) == 3 * x.numel() * 2
-    plain = {"x": x, "r": None, "dy2": None, "mask": fusedbn.MASK_FROM_INPUT}
+    plain = {"x": x, "r": None, "dy2": None, "mask": bnlaunch.MASK_FROM_INPUT}
     assert sweep.phase_bytes("grad_input", plain) == 3 * x.numel() * 2
     assert sweep.phase_bytes("apply", one) == (3 * x.numel() * 2) + x.numel() * 2 // 16  # the mask's bits
     raw = dict(one, shortcut="applies")  # the gradient sums read the shortcut's raw input as well
