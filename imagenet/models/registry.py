@@ -51,6 +51,13 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
     return model
 
 
+def has_grouped_convolutions(arch: str) -> bool:
+    """Whether ``arch``'s blocks have grouped convolutions (ResNeXt's 3x3 ones), which
+    :func:`imagenet.kernels.convstats.applies` leaves to torch's convolution, their BatchNorms to
+    the Triton statistics (``--bn-kernel cudnn``)."""
+    return arch.startswith("resnext")
+
+
 def has_stem_kernels(model: nn.Module) -> bool:
     """Whether the (possibly wrapped) model's max-pool runs on :mod:`imagenet.kernels.maxpool`'s kernels."""
     return any(isinstance(m, StemMaxPool) for m in unwrap(model).modules())
