@@ -153,3 +153,21 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     folded = dict(plain, shortcut="folded")
     assert sweep.phase_bytes("apply", folded) == sweep.phase_bytes("grad", folded) == 0
     assert sweep.phase_call("apply", folded) is None and sweep.phase_call("grad", folded) is None
+
+
+def test_the_family_phase_packs_its_compilations_and_runs_each_row_as_typed():
+    """gpu_verify.py family: the compiled rows go in precompile groups under the memory budget
+    (each row once), and each row is main.py as a user types it (the typed row no speed flag)."""
+    sys.path.insert(0, str(REPO / "scripts" / "perf"))
+    from verify import family
+    rows = [(a, r) for a in family.ARCHS for r in family.COMPILED]
+    groups = family.pack(rows, 100)
+    assert sorted(r for g in groups for r in g) == sorted(rows)
+    assert all(sum(family.estimate_gib(*r) for r in g) <= 100 for g in groups if len(g) > 1)
+    assert len(family.pack(rows, 1)) == len(rows)  # nothing fits: one a group
+    typed = family.command("resnet152", "typed", 2, 25)
+    assert "main.py --dummy -a resnet152 -b 256 --fp16 --epochs 2 --dummy-train-size 6400 " in typed
+    assert not any(f in typed for f in ("--compile", "--bn-kernel", "--channels-last", "--maxpool-kernel"))
+    eager = family.command("resnext50_32x4d", "eager", 2, 25)
+    assert "--fp16 --compile off --no-channels-last --bn-kernel torch --maxpool-kernel torch" in eager
+    assert "-b 256 --epochs 1 --dummy-train-size 768" in family.command("resnet18", "fp32", 1, 3)
