@@ -144,6 +144,17 @@ def epoch_rates(out_dir: str, skip: int) -> tuple:
     return statistics.median(rates), rates[0], rates[-1], statistics.median(waits)
 
 
+def first_step(log: str):
+    """The "first step done N s after start" of a main.py log (None if it has none, or no log)."""
+    try:
+        for line in open(log, errors="replace"):
+            if "=> first step done" in line:
+                return float(line.split("done")[1].split("s after")[0])
+    except OSError:
+        pass
+    return None
+
+
 def visible_gpus() -> int:
     out = subprocess.run([PY, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
                          text=True)

@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 
-from .common import PY, REPO, epoch_rates, fail, print_commands, run_group, run_one
+from .common import PY, REPO, epoch_rates, fail, first_step, print_commands, run_group, run_one
 
 ARCHS = ("resnet18", "resnet34", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2")
 ROWS = {  # name: the flags after -a ARCH -b 256; compiled: whether its first steps compile
@@ -70,17 +70,6 @@ def banner(log: str) -> list:
     except OSError:
         pass
     return seen
-
-
-def first_step(log: str):
-    """The "first step done N s after start" of a main.py log (None if it has none)."""
-    try:
-        for line in open(log, errors="replace"):
-            if "=> first step done" in line:
-                return float(line.split("done")[1].split("s after")[0])
-    except OSError:
-        pass
-    return None
 
 
 def parse(args) -> tuple:
