@@ -74,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", default=".01",
                    help="precision/multigpu/recipe: the learning rate (.01: the report's command line; "
                         "configs/fashion-mnist.yaml's own is 0.05 with 12 epochs)")
+    g.add_argument("--recipe-arch", default="resnet18",
+                   help="recipe, precision, multigpu: the architecture (-a) of the recipe's runs")
     g.add_argument("--ref-acc", type=float, help="run 1's Acc@1 from the precision phase, for the multigpu table")
     g.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
     g.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")

@@ -129,8 +129,10 @@ def seed_accs(results: list, prefix: str) -> list:
 
 
 def recipe_cmd(args, data: str) -> str:
-    """The Fashion-MNIST recipe (--recipe-config, ResNet-18, batch 128) on ``data``: the accuracy phases' base."""
-    return (f"main.py {data} --config {args.recipe_config} -a resnet18 -b 128 --lr={args.lr} "
+    """The Fashion-MNIST recipe (--recipe-config, --recipe-arch: ResNet-18 unless asked, batch 128)
+    on ``data``: the accuracy phases' base."""
+    arch = getattr(args, "recipe_arch", "resnet18")
+    return (f"main.py {data} --config {args.recipe_config} -a {arch} -b 128 --lr={args.lr} "
             f"--epochs {args.epochs} -j {args.workers} --output-dir OUT")
 
 
