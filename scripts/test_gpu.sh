@@ -13,8 +13,9 @@
 #   tests/test_maxpool.py       ~20  the stem max-pool kernels, eager and inside torch.compile
 #   tests/test_masterstep.py    ~15  --fp16's optimizer step's kernels against torch's arithmetic
 #   tests/test_processenv.py    ~10  CUDA_DEVICE_MAX_CONNECTIONS in the CUDA context
-#   tests/test_convstats.py     ~90  cuDNN's convolution + statistics against torch, in a CUDA graph, in
-#                                    blocks eager and compiled (skipped without nvidia-cudnn-frontend)
+#   tests/test_convstats.py    ~120  cuDNN's convolution + statistics against torch, in a CUDA graph, in
+#                                    the family's blocks eager (bottleneck, basic, grouped) and compiled
+#                                    (skipped without nvidia-cudnn-frontend)
 #   tests/test_cropbatch.py, test_gpudecode.py, test_gpugeometry.py, test_pipeline.py,
 #   test_throughput.py, test_gpu_runs.py ~35  GPU resize and nvJPEG decode against PIL, loaders on
 #                                    the device, the runs' results

@@ -1,6 +1,6 @@
 """``--bn-kernel cudnn``: the BatchNorm statistics made in the convolution's epilogue by a cuDNN
 fusion graph (imagenet/kernels/convstats.py), their finishing kernel and the blocks that use them
-(imagenet/kernels/fusedbn.py), and when ``auto`` chooses them (imagenet/training/defaults.py).
+(imagenet/kernels/fusedbn.py, imagenet/models/fusedresnet.py), and when ``auto`` chooses them (imagenet/training/defaults.py).
 
 On a CPU the op runs torch's convolution and sums under Triton's interpreter, so the blocks' plumbing,
 the finishing kernel and the gradients are checked here; the cuDNN graphs themselves on a GPU."""
@@ -50,20 +50,57 @@ def test_auto_takes_cudnns_statistics_where_the_package_runs_under_cuda_graphs()
 
 
 def test_without_the_package_auto_keeps_the_triton_statistics_and_says_why_in_one_line():
-    why = "the optional nvidia-cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+    why = ("the nvidia-cudnn-frontend package is not installed (pip install -r requirements.txt installs it on "
+           "Linux, x86_64 or aarch64)")
     plan = resolve(parse_config(["--dummy", "--fp16"]), Machine("cuda", "gpu", triton=True, no_conv_stats=why))
     assert plan.bn_kernel == "triton"
     said = [c.line() for c in plan.choices if "BatchNorm" in c.line()]
     assert len(said) == 1 and "nvidia-cudnn-frontend package is not installed" in said[0]
 
 
+def test_the_requirements_install_the_frontend_where_its_wheels_exist():
+    """requirements.txt installs nvidia-cudnn-frontend on Linux x86_64 and aarch64 (its wheels:
+    CPython 3.9-3.14 for the versions allowed), nowhere else (no sdist: pip would fail there), and
+    below 1.29, whose dependencies add NVIDIA's CUTLASS DSL (about 600 MB)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    lines = [line for line in (REPO / "requirements.txt").read_text().splitlines()
+             if line.startswith("nvidia-cudnn-frontend")]
+    assert len(lines) == 1, lines
+    req = Requirement(lines[0])
+    assert Version("1.28.0") in req.specifier and Version("1.29.0") not in req.specifier
+    for system, machine, python, installs in (("linux", "x86_64", "3.12", True), ("linux", "aarch64", "3.9", True),
+                                              ("linux", "x86_64", "3.14", True), ("linux", "x86_64", "3.15", False),
+                                              ("linux", "ppc64le", "3.12", False), ("darwin", "arm64", "3.12", False),
+                                              ("win32", "AMD64", "3.12", False)):
+        env = {"sys_platform": system, "platform_machine": machine, "python_version": python}
+        assert req.marker.evaluate(env) == installs, env
+
+
+def test_a_cpu_run_never_imports_the_frontend(tmp_path):
+    """With the package installed, a CPU run (the demo, CI) never imports it: here a stand-in
+    ``cudnn`` that warns when imported, first on the path."""
+    fake = tmp_path / "site" / "cudnn"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import warnings\nwarnings.warn('cudnn imported')\n")
+    r = subprocess.run([sys.executable, "-W", "default", "main.py", "--dummy", "-a", "resnet18", "-b", "4",
+                        "--epochs", "1", "--image-size", "32", "--val-resize", "32", "--dummy-train-size", "8",
+                        "--dummy-val-size", "4", "-j", "0", "--output-dir", str(tmp_path / "out")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0",
+                                PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)])))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cudnn imported" not in r.stderr and "cudnn" not in r.stdout.lower(), r.stderr[-2000:]
+
+
 def test_asking_for_cudnn_where_the_package_is_missing_names_the_fix(monkeypatch):
     monkeypatch.setattr(convstats, "_frontend", lambda: None)
     why = convstats.why_unavailable(torch.device("cuda"))
-    assert why == "the optional nvidia-cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+    assert why == ("the nvidia-cudnn-frontend package is not installed (pip install -r requirements.txt installs it "
+                   "on Linux, x86_64 or aarch64)")
     monkeypatch.setattr(convstats, "why_unavailable", lambda device, dtype=None: why)
-    with pytest.raises(UserError, match=r"--bn-kernel cudnn .*\(pip install nvidia-cudnn-frontend\): use --bn-kernel "
-                                        r"triton"):
+    with pytest.raises(UserError, match=r"--bn-kernel cudnn .*\(pip install -r requirements.txt installs it on "
+                                        r"Linux, x86_64 or aarch64\): use --bn-kernel triton"):
         use_conv_stats("cudnn", torch.device("cuda"), "float16")
     assert use_conv_stats("triton", torch.device("cuda"), "float16") is False
     assert use_conv_stats("cudnn", torch.device("cuda"), None) is False  # fp32: the Triton kernels (a note)
@@ -87,6 +124,53 @@ def test_the_machine_asks_cudnn_about_the_runs_own_convolution_dtype(monkeypatch
     assert plan.bn_kernel == "triton" and "this run is fp32" in _lines(plan) and "looked up" not in _lines(plan)
 
 
+FAMILY = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2")
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], ["--amp"], []], ids=["fp16", "amp", "fp32"])
+def test_the_typed_command_takes_every_fast_path_for_the_whole_family(precision):
+    """``main.py --dummy -a ARCH -b 256 --fp16`` (and --amp, fp32) on a GPU where cuDNN's statistics
+    run: every architecture channels_last, both kernels, CUDA graphs and, in half precision, the
+    statistics from the convolutions; ResNeXt's grouped convolutions are the one exception, said in
+    the same banner line; fp32 keeps the Triton statistics, said once."""
+    here = Machine("cuda", "gpu", triton=True, no_conv_stats=None)
+    for arch in FAMILY:
+        plan = resolve(parse_config(["--dummy", "-a", arch, "-b", "256", *precision]), here)
+        assert (plan.channels_last, plan.maxpool_kernel, plan.compile) == (True, "triton", "reduce-overhead"), arch
+        assert plan.bn_kernel == ("cudnn" if precision else "triton"), arch
+        bn = [c.line() for c in plan.choices if "BatchNorm" in c.line()]
+        assert len(bn) == 1 and not plan.notes, (arch, bn, plan.notes)
+        grouped = "grouped 3x3 convolutions, which cuDNN's fused convolution + statistics does not take" in bn[0]
+        assert grouped == (arch.startswith("resnext") and bool(precision)), (arch, bn)
+        assert precision or "this run is fp32" in bn[0]
+
+
+def test_asking_for_cudnn_statistics_in_resnext_notes_its_grouped_convolutions():
+    here = Machine("cuda", "gpu", triton=True, no_conv_stats=None)
+    plan = resolve(parse_config(["--dummy", "-a", "resnext50_32x4d", "--fp16", "--bn-kernel", "cudnn"]), here)
+    assert plan.bn_kernel == "cudnn" and len(plan.notes) == 1 and "grouped 3x3" in plan.notes[0], plan.notes
+    plan = resolve(parse_config(["--dummy", "-a", "resnet50", "--fp16", "--bn-kernel", "cudnn"]), here)
+    assert not plan.notes
+
+
+def test_the_registry_knows_which_architectures_have_grouped_convolutions():
+    """has_grouped_convolutions (what the banner says) against the models themselves, built on the
+    meta device (no memory, no initialisation); and the fused convolution refuses grouped ones."""
+    import torch.nn as nn
+    import torchvision
+
+    from imagenet.base.config import ARCHS
+    from imagenet.models.registry import has_grouped_convolutions
+    for arch in ARCHS:
+        with torch.device("meta"):
+            model = getattr(torchvision.models, arch)(weights=None, num_classes=10)
+        grouped = any(isinstance(m, nn.Conv2d) and m.groups > 1 for m in model.modules())
+        assert has_grouped_convolutions(arch) == grouped, arch
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=4, bias=False)
+    x = torch.empty(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert not convstats.applies(x, conv)
+
+
 def test_the_precision_names_the_convolutions_dtype_that_cudnn_is_asked_about():
     expected = {("--fp16",): "float16", ("--amp",): "float16", ("--amp", "--amp-dtype", "bfloat16"): "bfloat16",
                 (): None}
@@ -104,25 +188,35 @@ def test_main_refuses_cudnn_statistics_on_a_cpu_with_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, compiled: str = "") -> dict:
-    """A small Bottleneck ResNet fused with the statistics from its convolutions against the same
-    fused without them and against torchvision's modules: outputs, gradients and buffers after a
-    step, as relative differences (called in a child: under the interpreter, or on a GPU)."""
+BLOCKS = {  # the family's blocks, small: ResNet-50's, ResNet-18's, ResNeXt's (grouped 3x3 convolutions)
+    "bottleneck": dict(layers=[2, 1, 1, 1], width_per_group=16),
+    "basic": dict(layers=[1, 1, 1, 1]),
+    "grouped": dict(layers=[1, 1, 1, 1], groups=4, width_per_group=8),
+}
+
+
+def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, compiled: str = "",
+                    kind: str = "bottleneck") -> dict:
+    """A small ResNet of ``kind``'s blocks (:data:`BLOCKS`) fused with the statistics from its
+    convolutions against the same fused without them and against torchvision's modules: outputs,
+    gradients and buffers after a step, as relative differences, and the groups of the
+    convolutions that made their statistics (called in a child: under the interpreter, or on a GPU)."""
     import copy
 
     import torch.nn as nn
-    from torchvision.models.resnet import Bottleneck, ResNet
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
-    from imagenet.kernels import fusedbn
+    from imagenet.models import fusedresnet
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    ref = ResNet(Bottleneck, [2, 1, 1, 1], num_classes=5, width_per_group=16)
+    ref = ResNet(BasicBlock if kind == "basic" else Bottleneck, num_classes=5, **BLOCKS[kind])
     ref.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
     ref = ref.to(device, memory_format=torch.channels_last)
-    models = {"torch": ref, "triton": fusedbn.fuse_resnet(copy.deepcopy(ref)),
-              "conv": fusedbn.fuse_resnet(copy.deepcopy(ref), stats_in_conv=True)}
+    models = {"torch": ref, "triton": fusedresnet.fuse_resnet(copy.deepcopy(ref)),
+              "conv": fusedresnet.fuse_resnet(copy.deepcopy(ref), stats_in_conv=True)}
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
-    out = {}
+    out, groups, conv_stats = {}, [], convstats.conv_stats
+    convstats.conv_stats = lambda x, conv: groups.append(conv.groups) or conv_stats(x, conv)
     for name, m in models.items():
         m.train()
         run = torch.compile(m, mode=compiled) if compiled else m
@@ -135,11 +229,14 @@ def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, com
                      {n: b.float().clone() for n, b in m.named_buffers()})
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
+    convstats.conv_stats = conv_stats
 
     def rel(a, b):
         return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
-    result = {"uses": fusedbn.uses_conv_stats(models["conv"]) and not fusedbn.uses_conv_stats(models["triton"])}
+    result = {"uses": fusedresnet.uses_conv_stats(models["conv"]) and not fusedresnet.uses_conv_stats(models["triton"]),
+              "groups": sorted(set(groups)), "grouped": sum(isinstance(m, nn.Conv2d) and m.groups > 1
+                                                          for m in ref.modules())}
     for name, other in (("torch", "torch"), ("triton", "triton"), ("triton_vs_torch", "torch")):
         y, g, b = out[other]
         cy, cg, cb = out["triton" if name == "triton_vs_torch" else "conv"]
@@ -159,11 +256,17 @@ def _child(code: str, env: dict) -> dict:
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the cuDNN graphs are tested instead")
 def test_blocks_with_the_statistics_from_their_convolutions_train_as_torchvisions_under_the_interpreter():
-    r = _child("print(json.dumps(t._compare_blocks('cpu', 'float32')))", {"TRITON_INTERPRET": "1"})
-    assert r["uses"]
-    for other in ("torch", "triton"):
-        assert r[other]["out"] < 1e-3 and r[other]["grad"] < 3e-2 and r[other]["buffers"] < 1e-3, r
-        assert r[other]["batches"], r
+    """The family's three kinds of block (ResNet-50's bottleneck, ResNet-18's basic block, ResNeXt's
+    grouped bottleneck), one child: the grouped convolutions are never handed to the fused
+    convolution (their BatchNorms make their statistics in a pass of their own), the rest are."""
+    runs = _child("print(json.dumps({k: t._compare_blocks('cpu', 'float32', kind=k) for k in t.BLOCKS}))",
+                  {"TRITON_INTERPRET": "1"})
+    for kind, r in runs.items():
+        assert r["uses"] and r["groups"] == [1], (kind, r)
+        assert r["grouped"] == (4 if kind == "grouped" else 0), (kind, r)
+        for other in ("torch", "triton"):
+            assert r[other]["out"] < 1e-3 and r[other]["grad"] < 3e-2 and r[other]["buffers"] < 1e-3, (kind, r)
+            assert r[other]["batches"], (kind, r)
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -240,11 +343,13 @@ def test_the_op_replays_inside_a_cuda_graph():
 
 @gpu
 @needs_frontend
-@pytest.mark.parametrize("compiled", ["", "reduce-overhead"], ids=["eager", "cuda-graphs"])
-def test_blocks_with_cudnns_statistics_train_as_torchvisions_on_the_gpu(compiled):
-    r = _child(f"print(json.dumps(t._compare_blocks('cuda', 'float16', batch=8, size=32, compiled={compiled!r})))",
-               {})
-    assert r["uses"], r
+@pytest.mark.parametrize("compiled, kind", [("", "bottleneck"), ("", "basic"), ("", "grouped"),
+                                            ("reduce-overhead", "bottleneck")],
+                         ids=["eager", "eager-basic", "eager-grouped", "cuda-graphs"])
+def test_blocks_with_cudnns_statistics_train_as_torchvisions_on_the_gpu(compiled, kind):
+    r = _child(f"print(json.dumps(t._compare_blocks('cuda', 'float16', batch=8, size=32, compiled={compiled!r}, "
+               f"kind={kind!r})))", {})
+    assert r["uses"] and r["groups"] == [1], r
     # fp16 rounds differently in every path: the statistics from the convolutions may move the
     # results from torch's by no more than twice what the Triton kernels already do, and a little
     floor = {"out": 2e-3, "grad": 2e-2, "buffers": 2e-4}

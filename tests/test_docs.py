@@ -174,3 +174,23 @@ def test_the_current_figures_come_from_the_measurement_log():
     quoted.update(figures(section(README.read_text(), "How fast")))
     unlogged = sorted(written for value, written in quoted.items() if value not in logged)
     assert not unlogged, f"figures not in docs/BENCHMARKS.md (add the run, with its command, there): {unlogged}"
+
+
+def test_the_log_opens_with_an_index_of_every_entry():
+    """BENCHMARKS.md's first section indexes its entries by subject: every entry's heading is
+    linked from it, so a reader coming from PERFORMANCE.md finds an entry without reading the log."""
+    text = FENCE.sub("", LOG.read_text())
+    sections = [t.strip() for level, t in HEADING.findall(text) if len(level) == 2]
+    assert sections and sections[0] == "Index by subject", "the log's first section is its index"
+    index = section(LOG.read_text(), "Index by subject")
+    linked = set(re.findall(r"\]\(#([^)]+)\)", index))
+    entries = [slug(t) for level, t in HEADING.findall(text) if len(level) == 2 and t.strip() != "Index by subject"]
+    missing = [e for e in entries if e not in linked]
+    assert not missing, f"entries missing from the log's index: {missing}"
+
+
+def test_the_documents_speak_of_the_project_only():
+    """How much machine time a work session had is no reader's concern."""
+    for doc in LINKING_DOCS:
+        said = re.findall(r"[^.]*\bsessions?\b[^.]*", doc.read_text(), flags=re.IGNORECASE)
+        assert not said, f"{_name(doc)}: {said[:2]}"

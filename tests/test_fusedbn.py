@@ -1,4 +1,5 @@
-"""The fused BatchNorm + add + ReLU kernels (imagenet/kernels/fusedbn.py, --bn-kernel triton) against torch's modules.
+"""The fused BatchNorm + add + ReLU (imagenet/kernels/fusedbn.py, its kernels and their launches in bntriton.py and
+bnlaunch.py, the fused blocks in imagenet/models/fusedresnet.py; --bn-kernel triton) against torch's modules.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the
 variable is read when the kernels are defined), a layer at a time, in a whole ResNet, and
@@ -44,16 +45,17 @@ def compare_layers(device: str = "cpu", dtypes=("float32", "float16"), partials=
     a step of the finishing kernels, so that tiles of partial results are combined too (each
     image offset by its own mean, so the tiles' means differ); None: as many as the GPU's size
     asks for, combined FINISH_P at a time."""
-    from imagenet.kernels import fusedbn
-    before = fusedbn.PARTIALS, fusedbn.FINISH_P
-    fusedbn.PARTIALS, fusedbn.FINISH_P = partials, (2 if partials else fusedbn.FINISH_P)
+    from imagenet.kernels import bnlaunch
+    before = bnlaunch.PARTIALS, bnlaunch.FINISH_P
+    bnlaunch.PARTIALS, bnlaunch.FINISH_P = partials, (2 if partials else bnlaunch.FINISH_P)
     try:
-        return _compare_layers(fusedbn, device, dtypes)
+        return _compare_layers(device, dtypes)
     finally:
-        fusedbn.PARTIALS, fusedbn.FINISH_P = before
+        bnlaunch.PARTIALS, bnlaunch.FINISH_P = before
 
 
-def _compare_layers(fusedbn, device: str, dtypes) -> list:
+def _compare_layers(device: str, dtypes) -> list:
+    from imagenet.kernels import bnlaunch, fusedbn
     g = torch.Generator().manual_seed(0)
     # every layer with and without the residual and the ReLU; then, after all of those (so their data
     # stay as they were), every layer's output forked: two gradients, which the backward adds itself;
@@ -104,10 +106,10 @@ def _compare_layers(fusedbn, device: str, dtypes) -> list:
             pairs += [(ra_bn.weight.grad, rb_bn.weight.grad), (ra_bn.bias.grad, rb_bn.bias.grad),
                       (ra_bn.running_mean, rb_bn.running_mean), (ra_bn.running_var, rb_bn.running_var)]
         err = max(float((p.double() - q).abs().max() / (q.abs().max() + 1e-6)) for p, q in pairs)
-        parts = fusedbn._layout(n * h * w, c, torch.device(device))[3]
+        parts = bnlaunch._layout(n * h * w, c, torch.device(device))[3]
         rows.append({"case": f"{name} {n}x{c}x{h}x{w} residual={residual_on} relu={relu} fork={fork} "
                              f"shortcut_bn={shortcut_bn}",
-                     "parts": parts, "finish_steps": -(-parts // fusedbn.FINISH_P),
+                     "parts": parts, "finish_steps": -(-parts // bnlaunch.FINISH_P),
                      "kernel": fusedbn.takes(x, a) and (not shortcut_bn or fusedbn.takes(r, ra_bn)),
                      "backwards": count.calls, "dtype": name, "err": err,
                      "margin": float(zb.abs().min() / zb.abs().max()) if relu else 1.0,
@@ -124,19 +126,19 @@ def mask_bits_against_outputs(device: str = "cpu") -> list:
     says (channel c is bit c % W of word c // W of its row, W = 32 or the channel block where
     narrower), against the output's own mask (passes where not <= 0): mismatches, words a row,
     bits set, and whether a word's sign bit (bit 31) was set."""
-    from imagenet.kernels import fusedbn
+    from imagenet.kernels import bnlaunch
     g = torch.Generator().manual_seed(1)
     rows = []
     for c in (3, 33, 64, 130):
         x, r = (torch.randn(2, c, 3, 5, generator=g).to(device).contiguous(memory_format=torch.channels_last)
                 for _ in range(2))
         mean, invstd = x.mean((0, 2, 3)), torch.rsqrt(x.var((0, 2, 3), unbiased=False) + 1e-5)
-        y, bits = fusedbn.normalise(x, r, mean, invstd, torch.ones(c, device=device), torch.zeros(c, device=device),
-                                    True)
-        word, ch = fusedbn._word(c), torch.arange(c, device=device)
+        y, bits = bnlaunch.normalise(x, r, mean, invstd, torch.ones(c, device=device), torch.zeros(c, device=device),
+                                     True)
+        word, ch = bnlaunch._word(c), torch.arange(c, device=device)
         decoded = (bits[:, ch // word] >> (ch % word)) & 1  # arithmetic shift, then & 1: bit 31 too
         rows.append({"c": c, "words": bits.shape[1], "set": int(decoded.sum()), "sign_bit": bool((bits < 0).any()),
-                     "mismatches": int((decoded.bool() != ~(fusedbn._rows(y) <= 0)).sum())})
+                     "mismatches": int((decoded.bool() != ~(bnlaunch._rows(y) <= 0)).sum())})
     return rows
 
 
@@ -188,7 +190,7 @@ def compare_models(device: str = "cpu") -> dict:
     from torchvision.models.resnet import Bottleneck, ResNet
 
     from imagenet.kernels import fusedbn
-    from imagenet.kernels.fusedbn import fuse_resnet
+    from imagenet.models.fusedresnet import fuse_resnet
     out = {}
     for name, make in (("resnet18", lambda: create_model("resnet18", 10)),
                        ("bottleneck", lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10))):
@@ -403,7 +405,7 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     graph runs no Python, so counts none)."""
     from torch._dynamo.utils import counters
     from imagenet.kernels import fusedbn
-    from imagenet.kernels.fusedbn import fuse_resnet
+    from imagenet.models.fusedresnet import fuse_resnet
     torch.manual_seed(0)
     eager = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
     model = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
@@ -465,7 +467,7 @@ def test_the_kernels_inside_torch_compile_under_the_interpreter(interpreter_runs
 
 def test_without_the_kernels_a_fused_model_is_torchvisions():
     # On a CPU without the interpreter every layer takes torch's modules: identical results.
-    from imagenet.kernels.fusedbn import fuse_resnet
+    from imagenet.models.fusedresnet import fuse_resnet
     torch.manual_seed(0)
     plain = create_model("resnet50", 10)
     torch.manual_seed(0)
@@ -488,14 +490,14 @@ def test_which_runs_choose_the_kernels(monkeypatch):
 
 
 def test_launch_settings_from_the_environment(monkeypatch):
-    from imagenet.kernels import fusedbn
-    monkeypatch.setattr(fusedbn, "LAUNCH", dict(fusedbn.LAUNCH))  # use_bn_kernels updates it in place
-    monkeypatch.setattr("imagenet.models.registry.LAUNCH", fusedbn.LAUNCH)
+    from imagenet.kernels import bnlaunch
+    monkeypatch.setattr(bnlaunch, "LAUNCH", dict(bnlaunch.LAUNCH))  # use_bn_kernels updates it in place
+    monkeypatch.setattr("imagenet.models.registry.LAUNCH", bnlaunch.LAUNCH)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("IMAGENET_BN_LAUNCH", '{"stats": [2048, 8, 2], "apply": [1024, 2, 0], "grad": [4096, 4, 4, 3]}')
     assert use_bn_kernels("triton", torch.device("cpu"))
-    assert fusedbn.LAUNCH["stats"] == fusedbn.Launch(2048, 8, 2) and fusedbn.LAUNCH["apply"] == fusedbn.Launch(1024, 2)
-    assert fusedbn.LAUNCH["grad"] == fusedbn.Launch(4096, 4, 4, 3)
+    assert bnlaunch.LAUNCH["stats"] == bnlaunch.Launch(2048, 8, 2) and bnlaunch.LAUNCH["apply"] == bnlaunch.Launch(1024, 2)
+    assert bnlaunch.LAUNCH["grad"] == bnlaunch.Launch(4096, 4, 4, 3)
     for value, message in (("{stats: 1}", "is not a JSON object"), ('{"stat": [2048, 4, 4]}', "unknown phase"),
                            ('{"stats": [3000, 4, 4]}', "powers of two"), ('{"grad": [2048, 4, 0]}', "1-64 programs"),
                            ('{"apply": [1048576, 4]}', "powers of two from 256 to 16384"),

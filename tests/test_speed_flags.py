@@ -262,6 +262,8 @@ def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path, cap
                                                           "decoders of the trainer, comma-separated, of "
                                                           "torchvision,torchcodec"),
     (["shrink", "--shrink-pipelines", "cpu,nope"], "--shrink-pipelines: unknown ['nope']"),
+    (["family", "--family-rows", "typed,nope"], "--family-rows: unknown ['nope']"),
+    (["family", "--family-archs", "resnet18,resnet19"], "--family-archs: unknown ['resnet19']"),
 ])
 def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
     """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""
@@ -281,7 +283,7 @@ def test_gpu_verify_loads_by_path_and_lists_every_phase_in_its_help():
     gv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gv)
     assert {"smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling", "shrink",
-            "defaults", "shards", "decode"} <= set(gv.PHASES)
+            "defaults", "shards", "decode", "family"} <= set(gv.PHASES)
     help_text = gv.parser().format_help()
     for name, (phase, what) in gv.PHASES.items():
         assert callable(phase) and f"gpu_verify.py {name:<10} # {what}" in help_text

@@ -107,17 +107,17 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
     sweep = _load("bn_kernel_sweep")
     from types import SimpleNamespace as K
 
-    from imagenet.kernels import fusedbn
+    from imagenet.kernels import bnlaunch
     kernels = []
     monkeypatch.setattr(sweep, "compiled", lambda kernel: list(kernels))
     known, seen = {}, set()
     kernels.append(K(n_regs=128, n_spills=0, metadata=K(shared=65536)))
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 4, 4), known, seen) == (128, 0, 65536)  # same kernel
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 4, 4), known, seen) == (128, 0, 65536)  # same kernel
     kernels.append(K(n_regs=64, n_spills=2, metadata=K(shared=0)))
-    assert sweep.resources("stats", fusedbn.Launch(4096, 8, 2, 1), known, seen) == (64, 2, 0)
-    assert sweep.resources("stats", fusedbn.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
-    assert sweep.resources("grad", fusedbn.Launch(2048, 4, 2, 4), known, seen) == (None, None, None)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 8, 2, 1), known, seen) == (64, 2, 0)
+    assert sweep.resources("stats", bnlaunch.Launch(4096, 4, 2, 4), known, seen) == (128, 0, 65536)
+    assert sweep.resources("grad", bnlaunch.Launch(2048, 4, 2, 4), known, seen) == (None, None, None)
     assert sweep.resident(128, 0, 4) == 4  # 65536 / (128 * 32 * 4)
     assert sweep.resident(128, 65536, 4) == 3  # 228 KB / 65 KB
     assert sweep.resident(32, 0, 16) == 4  # at most 64 warps
@@ -126,11 +126,11 @@ def test_the_bn_sweep_credits_each_compiled_kernel_to_its_settings(monkeypatch):
 
 def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     """Every BatchNorm of ResNet-50 once, in order; the residual BatchNorms of all blocks but the
-    last take two gradients (fusedbn.fuse_resnet forks those outputs), and their gradient sums count one
+    last take two gradients (fusedresnet.fuse_resnet forks those outputs), and their gradient sums count one
     pass more."""
     pytest.importorskip("triton")
     sweep = _load("bn_kernel_sweep")
-    from imagenet.kernels import fusedbn
+    from imagenet.kernels import bnlaunch
     layers = sweep.resnet50_layers(2)
     assert len(layers) == 53
     forked = [layer for layer in layers if layer[6]]
@@ -140,12 +140,12 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     applies = [i for i, layer in enumerate(layers) if layer[7] == "applies"]
     assert len(applies) == 4 and all(layers[i + 1][7] == "folded" and not layers[i + 1][4] for i in applies)
     x = torch.empty(2, 8, 4, 4)
-    one = {"x": x, "r": x, "dy2": None, "mask": fusedbn.MASK_FROM_BITS}
+    one = {"x": x, "r": x, "dy2": None, "mask": bnlaunch.MASK_FROM_BITS}
     two = dict(one, dy2=x)
     # the second gradient is read by the gradient sums; the input gradients read the kept masked gradient alone
     assert sweep.phase_bytes("grad", two) - sweep.phase_bytes("grad", one) == x.numel() * 2
     assert sweep.phase_bytes("grad_input", two) == sweep.phase_bytes("grad_input", one) == 3 * x.numel() * 2
-    plain = {"x": x, "r": None, "dy2": None, "mask": fusedbn.MASK_FROM_INPUT}
+    plain = {"x": x, "r": None, "dy2": None, "mask": bnlaunch.MASK_FROM_INPUT}
     assert sweep.phase_bytes("grad_input", plain) == 3 * x.numel() * 2
     assert sweep.phase_bytes("apply", one) == (3 * x.numel() * 2) + x.numel() * 2 // 16  # the mask's bits
     raw = dict(one, shortcut="applies")  # the gradient sums read the shortcut's raw input as well
@@ -153,3 +153,21 @@ def test_the_bn_sweep_times_the_layers_as_the_fused_model_runs_them():
     folded = dict(plain, shortcut="folded")
     assert sweep.phase_bytes("apply", folded) == sweep.phase_bytes("grad", folded) == 0
     assert sweep.phase_call("apply", folded) is None and sweep.phase_call("grad", folded) is None
+
+
+def test_the_family_phase_packs_its_compilations_and_runs_each_row_as_typed():
+    """gpu_verify.py family: the compiled rows go in precompile groups under the memory budget
+    (each row once), and each row is main.py as a user types it (the typed row no speed flag)."""
+    sys.path.insert(0, str(REPO / "scripts" / "perf"))
+    from verify import family
+    rows = [(a, r) for a in family.ARCHS for r in family.COMPILED]
+    groups = family.pack(rows, 100)
+    assert sorted(r for g in groups for r in g) == sorted(rows)
+    assert all(sum(family.estimate_gib(*r) for r in g) <= 100 for g in groups if len(g) > 1)
+    assert len(family.pack(rows, 1)) == len(rows)  # nothing fits: one a group
+    typed = family.command("resnet152", "typed", 2, 25)
+    assert "main.py --dummy -a resnet152 -b 256 --fp16 --epochs 2 --dummy-train-size 6400 " in typed
+    assert not any(f in typed for f in ("--compile", "--bn-kernel", "--channels-last", "--maxpool-kernel"))
+    eager = family.command("resnext50_32x4d", "eager", 2, 25)
+    assert "--fp16 --compile off --no-channels-last --bn-kernel torch --maxpool-kernel torch" in eager
+    assert "-b 256 --epochs 1 --dummy-train-size 768" in family.command("resnet18", "fp32", 1, 3)

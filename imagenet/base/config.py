@@ -83,7 +83,7 @@ class Config:
     maxpool_kernel: str = "auto"  # stem max-pool: auto (Triton kernels on a GPU, channels_last) | torch | triton
     bn_kernel: str = "auto"  # training BatchNorm + add + ReLU: auto (fused Triton kernels on GPUs where they
     #                          apply) | torch (its modules) | triton | cudnn (triton, with the statistics made
-    #                          in cuDNN's fused convolutions: the optional nvidia-cudnn-frontend package)
+    #                          in cuDNN's fused convolutions: nvidia-cudnn-frontend, in requirements.txt)
     sync_bn: bool = False
 
     # -- optimisation -----------------------------------------------------------------------
@@ -186,8 +186,8 @@ _HELP = {
     "compile": "torch.compile the model: auto (default: reduce-overhead, with CUDA graphs, on GPUs where it "
                "applies; the banner says what was chosen and why), off, default, reduce-overhead, max-autotune",
     "bn_kernel": "training BatchNorm + add + ReLU: auto (default: our fused Triton kernels on GPUs where they "
-                 "apply, their statistics made by cuDNN's fused convolutions where the optional "
-                 "nvidia-cudnn-frontend package is installed), torch, triton, cudnn",
+                 "apply, their statistics made by cuDNN's fused convolutions where the "
+                 "nvidia-cudnn-frontend package of requirements.txt loads), torch, triton, cudnn",
     "no_jpeg_draft": "fast pipeline: decode training JPEGs at full scale (by default one whose random crop is at "
                      "least twice the output size is decoded at 1/2-1/8 scale inside libjpeg); validation always "
                      "decodes at full scale, as torchvision does",

@@ -3,9 +3,10 @@ convolution's epilogue by a cuDNN fusion graph (``--bn-kernel cudnn``).
 
 Every convolution of a ResNet block feeds a training-mode BatchNorm, whose first pass over the
 convolution's output only sums it per channel. cuDNN's runtime-fusion engines can add those sums
-to the convolution itself (a ``conv_fprop`` node followed by ``genstats``, through the optional
-``nvidia-cudnn-frontend`` package), so the output is not read again for its statistics. The
-BatchNorm's normalise then makes its mean and variance from the two sums (:func:`imagenet.kernels.fusedbn.bn_act`).
+to the convolution itself (a ``conv_fprop`` node followed by ``genstats``, through the
+``nvidia-cudnn-frontend`` package of requirements.txt, where its wheels exist), so the output is
+not read again for its statistics. The BatchNorm's normalise then makes its mean and variance
+from the two sums (:func:`imagenet.kernels.fusedbn.bn_act`).
 The variance is E[y^2] - E[y]^2 in float32, as NVIDIA's MLPerf kernels compute it.
 
 Each shape's graph is built once per process, outside CUDA graph capture (torch.compile's CUDA
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PACKAGE = "nvidia-cudnn-frontend"
+INSTALL = "pip install -r requirements.txt installs it on Linux, x86_64 or aarch64"  # its wheels' platforms
 PLANS = 3  # the heuristics' first plans built and timed for a shape (each may compile a kernel)
 MIN_BACKEND = 8800  # cuDNN 8.8: genstats after a convolution in the runtime-fusion engines
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -55,7 +57,7 @@ def why_unavailable(device: torch.device, dtype: Optional[torch.dtype] = None) -
         return f"this run is on {device}"
     frontend = _frontend()
     if frontend is None:
-        return f"the optional {PACKAGE} package is not installed (pip install {PACKAGE})"
+        return f"the {PACKAGE} package is not installed ({INSTALL})"
     try:
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "cuDNN's runtime-fusion engines need a GPU of compute capability 8.0 or later"

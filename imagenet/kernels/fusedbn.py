@@ -1,112 +1,43 @@
-"""Training-mode BatchNorm fused with the residual add and the ReLU, in Triton (``--bn-kernel triton``).
+"""Training-mode BatchNorm fused with the residual add and the ReLU, as ``torch.library`` ops
+with their autograd rules (``--bn-kernel triton|cudnn``).
 
-In a ResNet step BatchNorm, the ReLU, the residual add and their gradients are separate passes
-over the activations in memory (their time per step: docs/BENCHMARKS.md). Fused, a layer costs
-the passes its arithmetic needs: forward, one for the per-channel statistics (tile sums combined
-in a fixed order, so deterministic) and one that normalises, adds and applies the ReLU; backward,
-one for the two per-channel sums (which also writes the residual's gradient) and one that writes
-the input's gradient. A block's output, read by the next block's convolution and shortcut, is
-forked (:class:`_ForkedBnAct`) so the gradient-sums pass loads its two gradients instead of
-autograd summing them first. Without a residual the ReLU mask is recomputed from the input (two
-fewer passes); it is then the float32 sum's mask, which differs from torch's only for outputs
-that round to zero in fp16. With one, the forward writes the mask as bits (read off the rounded
-output, as torch's backward reads it; a sixteenth of an fp16 pass from 32 channels up, instead of
-reading the output back twice), and the gradient-sums pass writes the masked gradient, which is
-the residual's gradient, so the input-gradient pass reads that one tensor (rounded to the
-activations' dtype, as torch's own gradient would be) instead of both gradients and the mask. A
-block's shortcut BatchNorm (the downsample's) is applied by the residual add as it loads the
-shortcut convolution's raw output (:class:`Shortcut`): its normalised tensor is never written,
-and its gradient sums come out of the add's own gradient-sums pass. Arithmetic is float32; each
-stored tensor is rounded once; running statistics follow torch's rule.
+:func:`bn_act` is ``relu(bn(x) + residual)`` for a BatchNorm module: where :func:`takes` (a plain
+``nn.BatchNorm2d`` in training mode on a channels_last CUDA tensor, or under
+``TRITON_INTERPRET=1``) it runs the Triton kernels (:mod:`imagenet.kernels.bnlaunch`), else
+torch's modules. Forward, ``imagenet::bn_stats`` makes the batch's statistics and updates the
+running ones (so it has no gradient of its own) and ``imagenet::bn_act`` normalises, adds and
+applies the ReLU; its autograd rule calls ``imagenet::bn_act_backward``, the whole input
+gradient, through the statistics too. A block's output read by two layers (the next block's
+convolution and its shortcut) is forked (:class:`_ForkedBnAct`), so the backward adds its two
+gradients as it loads them instead of autograd summing them in a pass of its own. A block's
+shortcut BatchNorm (the downsample's) is applied by the residual add as it loads the shortcut
+convolution's raw output, and its gradients come out of the add's own backward passes.
 
-With ``--bn-kernel cudnn`` the statistics' pass goes too: each block's convolution makes its
-output's per-channel sums in its epilogue (:mod:`imagenet.kernels.convstats`), and the normalise
-turns them into the mean and 1/std itself (:func:`normalise_from_sums`: no kernel between the
-convolution and the normalise; :func:`conv_bn_act`).
-
-The kernels are ``torch.library`` custom ops, so ``torch.compile`` keeps them and CUDA graphs
-capture them. Only channels_last CUDA tensors (or ``TRITON_INTERPRET=1``) of a plain
-``nn.BatchNorm2d`` in training mode take them; everything else runs torch's modules.
-:func:`fuse_resnet` rewires torchvision's ResNet blocks to call :func:`bn_act`, keeping every
-module, parameter and buffer name, so state dicts are torchvision's.
+With ``--bn-kernel cudnn`` :func:`conv_bn_act` takes the statistics' pass away: the convolution
+makes its output's per-channel sums (:mod:`imagenet.kernels.convstats`) and
+``imagenet::bn_act_from_sums`` turns them into the mean and 1/std inside the normalise; it
+changes the running statistics, so its gradient comes from an autograd Function
+(:class:`_BnActFromSums`). The ops are opaque to ``torch.compile`` and CUDA graphs capture them;
+the fused ResNet blocks that call them are :mod:`imagenet.models.fusedresnet`.
 """
 
-import json
 import os  # no "from __future__ import annotations": torch.library reads the op signatures' annotations
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from . import convstats
-
-try:  # Triton ships with CUDA builds of torch
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a torch without Triton
-    triton = None
+from .bnlaunch import (MASK_FROM_BITS, MASK_NONE, Shortcut, ShortcutSums, Sums, gradient_sums, input_gradients,
+                       mask_bits, mask_kind, normalise, normalise_from_sums, statistics, statistics_from_sums,
+                       to_channels_last)
+from .bntriton import triton
 
 # Triton reads TRITON_INTERPRET when it defines the kernels; read here once too, so that takes()
 # inside torch.compile reads no environment (which breaks the graph on torch before 2.5)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How one kernel is launched: ``tile`` elements per program step (BLOCK_M x BLOCK_C), ``warps``
-    per program; for the reductions, ``programs_per_sm`` programs aimed at per multiprocessor and
-    ``stages``, the loop iterations whose loads are in flight at once (Triton's software
-    pipelining of the row loop, ``tl.range(num_stages=)``; 1: none)."""
-    tile: int
-    warps: int
-    programs_per_sm: int = 0
-    stages: int = 1
-
-
-# The settings of scripts/perf/bn_kernel_sweep.py's fastest rows on an H200 (its figures: docs/BENCHMARKS.md)
-LAUNCH = {"stats": Launch(4096, 4, 2, 4), "apply": Launch(2048, 4), "grad": Launch(2048, 4, 2, 4),
-          "grad_input": Launch(2048, 4)}
-LAUNCH_ENV = "IMAGENET_BN_LAUNCH"
-TILES = tuple(2 ** k for k in range(8, 15))  # 256 .. 16384 elements a program step (the sweep tries 2048-16384)
-
-
-def launch_override(value: Optional[str]) -> dict:
-    """The settings ``value`` (``IMAGENET_BN_LAUNCH``: a JSON object of phase: [tile, warps,
-    programs_per_sm, stages] as scripts/perf/bn_kernel_sweep.py writes it; stages may be left out,
-    and for the pointwise phases programs_per_sm too) asks for, to be put over :data:`LAUNCH`
-    (models.use_bn_kernels does, for main.py and bench.py); a ValueError naming the problem
-    where it is not one."""
-    if not value:
-        return {}
-    try:
-        asked = json.loads(value)
-        if not all(type(v) is int for values in asked.values() for v in values):
-            raise ValueError("the values must be whole numbers")
-        settings = {phase: Launch(*values) for phase, values in asked.items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{LAUNCH_ENV}={value!r} is not a JSON object of phase: [tile, warps, programs_per_sm, "
-                         f"stages] ({e})") from None
-    unknown = sorted(set(settings) - set(LAUNCH))
-    reduction = {"stats", "grad"}  # the phases with a row loop (programs per multiprocessor, stages)
-    bad = [p for p, launch in settings.items() if launch.tile not in TILES or launch.warps not in (1, 2, 4, 8, 16)
-           or not (1 if p in reduction else 0) <= launch.programs_per_sm <= 64
-           or not 1 <= launch.stages <= (4 if p in reduction else 1)]
-    if unknown or bad:
-        raise ValueError(f"{LAUNCH_ENV}={value!r}: " + (f"unknown phase(s) {unknown}, choose from {sorted(LAUNCH)}"
-                         if unknown else f"{bad}: tiles are powers of two from {TILES[0]} to {TILES[-1]}, warps "
-                                         "1-16 (a power of two), the reductions (stats, grad) 1-64 programs per "
-                                         "multiprocessor, stages 1-4 (the reductions; 1 for the others)"))
-    return settings
-
-
-PARTIALS = None  # tests: at most this many row ranges per channel block (None: from the GPU's size)
-FINISH_C = 16  # channels per program of the kernels that combine the partial results
-FINISH_P = 128  # partial results combined per step of those kernels
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MASK_NONE, MASK_FROM_BITS, MASK_FROM_INPUT = 0, 1, 2  # the backward's ReLU mask
 
 
 def takes(x: torch.Tensor, bn: nn.Module) -> bool:
@@ -118,506 +49,12 @@ def takes(x: torch.Tensor, bn: nn.Module) -> bool:
             and x.shape[0] * x.shape[2] * x.shape[3] > 1)
 
 
-if triton is not None:
-    @triton.jit
-    def _partial_stats(x_ptr, pmean_ptr, pm2_ptr, M, C, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                       STAGES: tl.constexpr):
-        # Rows ROWS * pid .. of the [M, C] view, one channel block: sums of x - shift and of its
-        # square, element-wise in registers, reduced once at the end (the shift, the block's
-        # first row, keeps the variance's cancellation small); stored as (mean, M2).
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        first = tl.program_id(0) * ROWS
-        shift = tl.load(x_ptr + first.to(tl.int64) * C + c, mask=c_ok, other=0.0).to(tl.float32)
-        s1 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        s2 = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
-            r = first + start + tl.arange(0, BLOCK_M)
-            mask = (r < M)[:, None] & c_ok[None, :]
-            x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            d = tl.where(mask, x - shift[None, :], 0.0)
-            s1 += d
-            s2 += d * d
-        n = tl.minimum(ROWS, M - first).to(tl.float32)
-        t1 = tl.sum(s1, 0)
-        out = tl.program_id(0) * C + c
-        tl.store(pmean_ptr + out, shift + t1 / n, mask=c_ok)
-        tl.store(pm2_ptr + out, tl.maximum(tl.sum(s2, 0) - t1 * t1 / n, 0.0), mask=c_ok)
-
-    @triton.jit
-    def _finish_stats(pmean_ptr, pm2_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, C, P, ROWS, eps,
-                      momentum, COUNT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # The P partial results of each channel, BLOCK_P at a time (each tile combined exactly:
-        # its count-weighted mean, then its M2 about that mean), tiles in order; then torch's
-        # running-statistics update.
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        n = tl.zeros((BLOCK_C,), tl.float32)
-        mean = tl.zeros((BLOCK_C,), tl.float32)
-        m2 = tl.zeros((BLOCK_C,), tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            p_ok = p < P
-            count = tl.where(p_ok, tl.minimum(ROWS, M - p * ROWS), 0).to(tl.float32)
-            mask = p_ok[:, None] & c_ok[None, :]
-            offs = p[:, None] * C + c[None, :]
-            pm = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
-            pm2 = tl.load(pm2_ptr + offs, mask=mask, other=0.0)
-            tile_n = tl.sum(count, 0)
-            tile_mean = tl.sum(pm * count[:, None], 0) / tile_n
-            dev = tl.where(mask, pm - tile_mean[None, :], 0.0)
-            tile_m2 = tl.sum(pm2, 0) + tl.sum(dev * dev * count[:, None], 0)
-            total = n + tile_n
-            frac = tile_n / total
-            delta = tile_mean - mean
-            mean = mean + delta * frac
-            m2 = m2 + tile_m2 + delta * delta * n * frac
-            n = total
-        _store_statistics(mean, m2 / M, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT, tl.program_id(0) == 0)
-
-    @triton.jit
-    def _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT: tl.constexpr, counts):
-        # The batch's mean and 1/std, and torch's running-statistics update (unbiased variance);
-        # with COUNT, the one program whose ``counts`` is true adds the batch to BatchNorm's count
-        # (a kernel of its own per layer otherwise)
-        if COUNT:
-            if counts:
-                tl.store(batches_ptr, tl.load(batches_ptr) + 1)
-        tl.store(mean_ptr + c, mean, mask=c_ok)
-        tl.store(invstd_ptr + c, _invstd(var, eps), mask=c_ok)
-        rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
-        unbiased = var * M / tl.maximum(M - 1, 1)
-        tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
-
-    @triton.jit
-    def _stats_from_sums(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, C, eps, momentum,
-                         COUNT: tl.constexpr, BLOCK_C: tl.constexpr):
-        # The batch's statistics from a convolution's per-channel sum and sum of squares
-        # (imagenet.kernels.convstats): E[y^2] - E[y]^2, then torch's running-statistics update.
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        mean, var = _moments(sum_ptr, sq_ptr, M, c, c_ok)
-        _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                          momentum, COUNT, tl.program_id(0) == 0)
-
-    @triton.jit
-    def _moments(sum_ptr, sq_ptr, M, c, c_ok):
-        # (mean, variance) of M values a channel from their sum and sum of squares: E[y^2] - E[y]^2
-        mean = tl.load(sum_ptr + c, mask=c_ok, other=0.0) / M
-        return mean, tl.maximum(tl.load(sq_ptr + c, mask=c_ok, other=0.0) / M - mean * mean, 0.0)
-
-    @triton.jit
-    def _invstd(var, eps):
-        # the one expression of 1/std: the statistics stored for the backward and those a
-        # normalise computes for itself (:func:`_batch_statistics`) are the same bits
-        return 1.0 / tl.sqrt(var + eps)
-
-    @triton.jit
-    def _batch_statistics(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, eps, momentum,
-                          c, c_ok, COUNT: tl.constexpr):
-        # Inside a normalise over [M, C]: the batch's (mean, 1/std) of this program's channels from
-        # the convolution's sums, made by every program (a few operations a channel) instead of by
-        # a kernel of their own; the first row block's programs store them for the backward and
-        # update the running statistics, its first program the batch count.
-        mean, var = _moments(sum_ptr, sq_ptr, M, c, c_ok)
-        if tl.program_id(0) == 0:
-            _store_statistics(mean, var, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, c, c_ok, M, eps,
-                              momentum, COUNT, tl.program_id(1) == 0)
-        return mean, _invstd(var, eps)
-
-    @triton.jit
-    def _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok):
-        # BatchNorm as x * scale + shift per channel
-        scale = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * invstd
-        shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
-        return scale, shift
-
-    @triton.jit
-    def _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok):
-        # :func:`_scale_shift` of stored statistics; the forward and the backward's mask use this one.
-        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        scale, shift = _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok)
-        return mean, invstd, scale, shift
-
-    @triton.jit
-    def _apply(x_ptr, r_ptr, y_ptr, bits_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, rmean_ptr, rinvstd_ptr, rw_ptr,
-               rb_ptr, sum_ptr, sq_ptr, run_mean_ptr, run_var_ptr, batches_ptr, rsum_ptr, rsq_ptr, rrun_mean_ptr,
-               rrun_var_ptr, rbatches_ptr, M, C, NW, eps, momentum, reps, rmomentum, HAS_RES: tl.constexpr,
-               RES_BN: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, SUMS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
-        # With SUMS, the statistics (this BatchNorm's and the shortcut's) are made here from the
-        # convolutions' sums and stored (:func:`_batch_statistics`); else they are read.
-        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        mask = (r < M)[:, None] & c_ok[None, :]
-        if SUMS:
-            mean, invstd = _batch_statistics(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, run_mean_ptr, run_var_ptr,
-                                             batches_ptr, M, eps, momentum, c, c_ok, True)
-            scale, shift = _scale_shift(mean, invstd, w_ptr, b_ptr, c, c_ok)
-        else:
-            _, _, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
-        offs = r.to(tl.int64)[:, None] * C + c[None, :]
-        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
-        if HAS_RES:
-            res = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if RES_BN:  # the shortcut's BatchNorm, applied as its raw input is loaded
-                if SUMS:
-                    rmean, rinvstd = _batch_statistics(rsum_ptr, rsq_ptr, rmean_ptr, rinvstd_ptr, rrun_mean_ptr,
-                                                       rrun_var_ptr, rbatches_ptr, M, reps, rmomentum, c, c_ok, True)
-                    rscale, rshift = _scale_shift(rmean, rinvstd, rw_ptr, rb_ptr, c, c_ok)
-                else:
-                    _, _, rscale, rshift = _affine(rmean_ptr, rinvstd_ptr, rw_ptr, rb_ptr, c, c_ok)
-                res = res * rscale[None, :] + rshift[None, :]
-            z += res
-        if RELU:
-            z = tl.where(z < 0, 0.0, z)  # torch's ReLU: NaN stays NaN
-        y = z.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs, y, mask=mask)
-        if BITS:  # the ReLU's mask as torch's backward reads it off the output: passes where not <= 0
-            keep = tl.where(mask & ~(y.to(tl.float32) <= 0), 1, 0)
-            _store_bits(keep, bits_ptr, r, M, NW, BLOCK_M, BLOCK_C, WORD)
-
-    @triton.jit
-    def _store_bits(keep, bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
-        # keep, [BLOCK_M, BLOCK_C] of 0/1 for this program's channel block, as WORD-bit words:
-        # channel c is bit c % WORD of word c // WORD of its row ([M, NW] int32)
-        tl.static_assert(BLOCK_C % WORD == 0)  # a word never straddles two programs' channel blocks
-        words = tl.sum(tl.reshape(keep, (BLOCK_M, BLOCK_C // WORD, WORD)) << tl.arange(0, WORD)[None, None, :], 2)
-        w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
-        tl.store(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], words.to(tl.int32),
-                 mask=(r < M)[:, None] & (w < NW)[None, :])
-
-    @triton.jit
-    def _load_bits(bits_ptr, r, M, NW, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
-        # :func:`_store_bits`' words back as a [BLOCK_M, BLOCK_C] tile of 0/1
-        tl.static_assert(BLOCK_C % WORD == 0)
-        w = tl.program_id(1) * (BLOCK_C // WORD) + tl.arange(0, BLOCK_C // WORD)
-        words = tl.load(bits_ptr + r.to(tl.int64)[:, None] * NW + w[None, :], mask=(r < M)[:, None] & (w < NW)[None, :],
-                        other=0)
-        return tl.reshape((words[:, :, None] >> tl.arange(0, WORD)[None, None, :]) & 1, (BLOCK_M, BLOCK_C))
-
-    @triton.jit
-    def _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_C: tl.constexpr, WORD: tl.constexpr):
-        # torch's ReLU gradient: zero where the output is <= 0 (a NaN output passes it), from the
-        # bits the forward wrote (MASK 1) or recomputed from the input (MASK 2, no residual was added)
-        if MASK == 1:
-            g = tl.where(_load_bits(bits_ptr, r, M, NW, BLOCK_M, BLOCK_C, WORD) == 0, 0.0, g)
-        if MASK == 2:
-            g = tl.where(x * scale[None, :] + shift[None, :] <= 0, 0.0, g)
-        return g
-
-    @triton.jit
-    def _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS: tl.constexpr):
-        # the gradient reaching the output, float32: one tensor, or the sum of the two a forked
-        # output receives (its block's next convolution's and the next block's shortcut's)
-        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if TWO_GRADS:
-            g += tl.load(dy2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return g
-
-    @triton.jit
-    def _partial_grad(dy_ptr, dy2_ptr, bits_ptr, x_ptr, g_ptr, r_ptr, rmean_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr,
-                      psg_ptr, psgx_ptr, psgr_ptr, M, C, ROWS, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr,
-                      KEEP_G: tl.constexpr, RES_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                      WORD: tl.constexpr, STAGES: tl.constexpr):
-        # Per channel: sum of g and of g * (x - mean) over this program's rows, g the ReLU-masked
-        # gradient; with KEEP_G, g itself is written too (the residual's gradient, which the
-        # input-gradient pass then reads in place of the incoming gradients and the mask); with
-        # RES_BN, also the sum of g * (r - the shortcut BatchNorm's mean), r its raw input: that
-        # BatchNorm's own gradient sums (its sum of g is this one's).
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
-        sg = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)  # element-wise in registers; reduced once at the end
-        sgx = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        sgr = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        rmean = tl.load(rmean_ptr + c, mask=c_ok, other=0.0)  # (the mean's own pointer without RES_BN)
-        first = tl.program_id(0) * ROWS
-        for start in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
-            r = first + start + tl.arange(0, BLOCK_M)
-            mask = (r < M)[:, None] & c_ok[None, :]
-            offs = r.to(tl.int64)[:, None] * C + c[None, :]
-            g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK, BLOCK_M, BLOCK_C, WORD)
-            if KEEP_G:
-                tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
-            sg += g
-            sgx += tl.where(mask, g * (x - mean[None, :]), 0.0)
-            if RES_BN:
-                rr = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                sgr += tl.where(mask, g * (rr - rmean[None, :]), 0.0)
-        out = tl.program_id(0) * C + c
-        tl.store(psg_ptr + out, tl.sum(sg, 0), mask=c_ok)
-        tl.store(psgx_ptr + out, tl.sum(sgx, 0), mask=c_ok)
-        if RES_BN:
-            tl.store(psgr_ptr + out, tl.sum(sgr, 0), mask=c_ok)
-
-    @triton.jit
-    def _finish_grad(psg_ptr, psgx_ptr, invstd_ptr, sg_ptr, sgx_ptr, dw_ptr, db_ptr, C, P,
-                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        sg = tl.zeros((BLOCK_C,), tl.float32)
-        sgx = tl.zeros((BLOCK_C,), tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            mask = (p < P)[:, None] & c_ok[None, :]
-            offs = p[:, None] * C + c[None, :]
-            sg += tl.sum(tl.load(psg_ptr + offs, mask=mask, other=0.0), 0)
-            sgx += tl.sum(tl.load(psgx_ptr + offs, mask=mask, other=0.0), 0)
-        tl.store(sg_ptr + c, sg, mask=c_ok)
-        tl.store(sgx_ptr + c, sgx, mask=c_ok)
-        invstd = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        tl.store(dw_ptr + c, (sgx * invstd).to(dw_ptr.dtype.element_ty), mask=c_ok)
-        tl.store(db_ptr + c, sg.to(db_ptr.dtype.element_ty), mask=c_ok)
-
-    @triton.jit
-    def _grad_input(dy_ptr, dy2_ptr, bits_ptr, x_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sg_ptr, sgx_ptr,
-                    M, C, NW, TWO_GRADS: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_C: tl.constexpr, WORD: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        mask = (r < M)[:, None] & c_ok[None, :]
-        mean, invstd, scale, shift = _affine(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c_ok)
-        mean_g = tl.load(sg_ptr + c, mask=c_ok, other=0.0) / M
-        proj = tl.load(sgx_ptr + c, mask=c_ok, other=0.0) * invstd * invstd / M
-        offs = r.to(tl.int64)[:, None] * C + c[None, :]
-        g = _incoming(dy_ptr, dy2_ptr, offs, mask, TWO_GRADS)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = _masked(g, x, bits_ptr, r, M, NW, scale, shift, MASK, BLOCK_M, BLOCK_C, WORD)
-        dx = scale[None, :] * (g - mean_g[None, :] - (x - mean[None, :]) * proj[None, :])
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def _blocks(c: int, launch: Launch) -> tuple:
-    """(BLOCK_M, BLOCK_C) of a kernel over [m, c] rows."""
-    block_c = min(triton.next_power_of_2(c), 128)
-    return max(launch.tile // block_c, 1), block_c
-
-
-def _layout(m: int, c: int, device: torch.device, launch: Optional[Launch] = None) -> tuple:
-    """(BLOCK_M, BLOCK_C, rows per partial, partials) of a reduction over an [m, c] activation:
-    enough row ranges that every multiprocessor gets ``programs_per_sm`` programs."""
-    launch = launch or LAUNCH["stats"]
-    block_m, block_c = _blocks(c, launch)
-    chunks = triton.cdiv(m, block_m)
-    partials = PARTIALS or triton.cdiv(launch.programs_per_sm * _multiprocessors(device), triton.cdiv(c, block_c))
-    rows = block_m * triton.cdiv(chunks, partials)
-    return block_m, block_c, rows, triton.cdiv(m, rows)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A channels_last NCHW tensor as its [N*H*W, C] matrix (no copy)."""
-    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
-
-
-def _cl(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
-
-
-def _mask_kind(relu: bool, has_res: bool) -> int:
-    return (MASK_FROM_BITS if has_res else MASK_FROM_INPUT) if relu else MASK_NONE
-
-
-def _word(c: int) -> int:
-    """Bits per int32 word of the ReLU's mask over ``c`` channels: 32, or the channel block where
-    it is narrower (a word never straddles two programs' channel blocks)."""
-    return min(32, triton.next_power_of_2(c))
-
-
-def mask_bits(x: torch.Tensor) -> torch.Tensor:
-    """An empty [N*H*W, words] int32 tensor for the ReLU mask of the channels_last ``x``: one bit a
-    value (:func:`normalise` writes it): a sixteenth of an fp16 pass over ``x`` from 32 channels up
-    (narrower, a row's one word holds fewer bits)."""
-    n, c, h, w = x.shape
-    return x.new_empty((n * h * w, -(-c // _word(c))), dtype=torch.int32)
-
-
-class Shortcut(NamedTuple):
-    """A block's shortcut BatchNorm (the downsample's) that the residual add applies itself: its
-    parameters and the batch's statistics of its raw input."""
-    weight: torch.Tensor
-    bias: torch.Tensor
-    mean: torch.Tensor
-    invstd: torch.Tensor
-
-
-def _reduction(x: torch.Tensor, launch: Launch) -> tuple:
-    """For a per-channel reduction over a channels_last ``x``: (rows M, channels C, its
-    :func:`_layout`, two float32 [partials, C] buffers for the partial results, two [C] ones)."""
-    n, c, h, w = x.shape
-    m = n * h * w
-    layout = _layout(m, c, x.device, launch)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    partials = (torch.empty((layout[3], c), **f32), torch.empty((layout[3], c), **f32))
-    return m, c, layout, partials, (torch.empty(c, **f32), torch.empty(c, **f32))
-
-
-def statistics(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
-               eps: float, batches: Optional[torch.Tensor] = None) -> tuple:
-    """The batch's per-channel (mean, 1/std) in float32 of a channels_last ``x``; updates the
-    running statistics in place, and adds one to ``batches`` (BatchNorm's count) where given."""
-    launch = LAUNCH["stats"]
-    m, c, (block_m, block_c, rows, parts), (pmean, pm2), (mean, invstd) = _reduction(x, launch)
-    _partial_stats[(parts, triton.cdiv(c, block_c))](_rows(x), pmean, pm2, m, c, rows, BLOCK_M=block_m,
-                                                     BLOCK_C=block_c, STAGES=launch.stages, num_warps=launch.warps)
-    finish_c = min(FINISH_C, triton.next_power_of_2(c))
-    _finish_stats[(triton.cdiv(c, finish_c),)](pmean, pm2, mean, invstd, running_mean, running_var,
-                                               batches if batches is not None else mean, m, c, parts, rows, eps,
-                                               momentum, COUNT=batches is not None, BLOCK_P=FINISH_P,
-                                               BLOCK_C=finish_c)
-    return mean, invstd
-
-
-class Sums(NamedTuple):
-    """A BatchNorm's batch statistics still as its input's per-channel float32 (sum, sum of
-    squares), made by the convolution before it (:mod:`imagenet.kernels.convstats`), with what the
-    normalise that turns them into statistics updates: the running statistics and batch count, by
-    the BatchNorm's momentum; and its eps."""
-    sums: torch.Tensor
-    squares: torch.Tensor
-    running_mean: torch.Tensor
-    running_var: torch.Tensor
-    batches: torch.Tensor
-    momentum: float
-    eps: float
-
-
-class ShortcutSums(NamedTuple):
-    """A shortcut BatchNorm whose statistics :func:`normalise_from_sums` makes from its input's sums."""
-    weight: torch.Tensor
-    bias: torch.Tensor
-    sums: Sums
-
-
-def normalise(x: torch.Tensor, residual: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
-              weight: torch.Tensor, bias: torch.Tensor, relu: bool, shortcut: Optional[Shortcut] = None) -> tuple:
-    """(``relu(bn(x) + residual)`` from the batch's statistics, channels_last, in ``x``'s dtype;
-    the ReLU's mask as bits where the backward will read it (a ReLU after the add: the input
-    alone no longer tells), else an empty tensor). With ``shortcut``, ``residual`` is the raw
-    input of that BatchNorm, normalised here as it is loaded (never written normalised)."""
-    return _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut=shortcut)
-
-
-def normalise_from_sums(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor,
-                        relu: bool, sums: Sums, shortcut: Optional[ShortcutSums] = None) -> tuple:
-    """:func:`normalise` with the batch's statistics made in the same kernel from ``sums`` (no kernel
-    of their own: every program turns its channels' sums into mean and 1/std, the first row's
-    programs store them and update the running statistics, as :func:`statistics_from_sums`
-    does, bit for bit). ``shortcut``: where ``residual`` is that BatchNorm's raw input. Returns
-    (y, bits, mean, 1/std, and the shortcut's mean and 1/std or None)."""
-    c = x.shape[1]
-    mean, invstd = x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
-    sc, res_sums = None, None
-    if shortcut is not None:
-        sc = Shortcut(shortcut.weight, shortcut.bias, torch.empty_like(mean), torch.empty_like(mean))
-        res_sums = shortcut.sums
-    y, bits = _normalise(x, residual, mean, invstd, weight, bias, relu, shortcut=sc, sums=sums, res_sums=res_sums)
-    return y, bits, mean, invstd, (sc.mean if sc else None), (sc.invstd if sc else None)
-
-
-def _normalise(x, residual, mean, invstd, weight, bias, relu: bool, *, shortcut: Optional[Shortcut] = None,
-               sums: Optional[Sums] = None, res_sums: Optional[Sums] = None) -> tuple:
-    """The one launch of :func:`_apply` for both of the above: with ``sums``, ``mean`` and
-    ``invstd`` (and the shortcut's) are written, else read; ``res_sums`` goes with ``sums``
-    where there is a shortcut."""
-    n, c, h, w = x.shape
-    m = n * h * w
-    launch = LAUNCH["apply"]
-    block_m, block_c = _blocks(c, launch)
-    y = torch.empty_like(x, memory_format=torch.channels_last)
-    with_bits = _mask_kind(relu, residual is not None) == MASK_FROM_BITS
-    bits = mask_bits(x) if with_bits else x.new_empty(0, dtype=torch.int32)
-    xs = _rows(x)
-    sc = shortcut or Shortcut(weight, bias, mean, invstd)  # unread without a shortcut BatchNorm
-    st = sums or Sums(mean, invstd, mean, invstd, mean, 0.0, 0.0)  # unread without sums
-    rst = res_sums or st  # unread without both
-    _apply[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-        xs, _rows(residual) if residual is not None else xs, _rows(y), bits if with_bits else xs, mean, invstd,
-        weight, bias, sc.mean, sc.invstd, sc.weight, sc.bias, st.sums, st.squares, st.running_mean, st.running_var,
-        st.batches, rst.sums, rst.squares, rst.running_mean, rst.running_var, rst.batches, m, c,
-        bits.shape[-1] if with_bits else 0, st.eps, st.momentum, rst.eps, rst.momentum,
-        HAS_RES=residual is not None, RES_BN=shortcut is not None, RELU=relu, BITS=with_bits, SUMS=sums is not None,
-        BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), num_warps=launch.warps)
-    return y, bits
-
-
-def gradient_sums(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
-                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: int,
-                  dy2: Optional[torch.Tensor] = None, keep_g: bool = False,
-                  shortcut: Optional[tuple] = None) -> tuple:
-    """Per channel, float32: (sum of g, sum of g * (x - mean)), g the ReLU-masked ``dy`` (plus
-    ``dy2``, a forked output's second gradient; the mask from ``bits`` or ``x`` as ``mask``
-    says); the weight's and bias's gradients; with ``keep_g``, g itself in ``x``'s dtype (else an
-    empty tensor); and with ``shortcut`` = (its raw input r, its :class:`Shortcut`), that
-    BatchNorm's (sum of g * (r - its mean), weight gradient, bias gradient) from the same pass
-    (else None)."""
-    launch = LAUNCH["grad"]
-    m, c, (block_m, block_c, rows, parts), (psg, psgx), (sg, sgx) = _reduction(x, launch)
-    dw, db = torch.empty_like(weight), torch.empty_like(bias)
-    g = torch.empty_like(x, memory_format=torch.channels_last) if keep_g else x.new_empty(0)
-    psgr = torch.empty_like(psgx) if shortcut is not None else psgx
-    xs = _rows(x)
-    dys = _rows(dy)
-    _partial_grad[(parts, triton.cdiv(c, block_c))](
-        dys, _rows(dy2) if dy2 is not None else dys, bits if mask == MASK_FROM_BITS else xs, xs,
-        _rows(g) if keep_g else xs, _rows(shortcut[0]) if shortcut is not None else xs,
-        shortcut[1].mean if shortcut is not None else mean, mean, invstd, weight, bias, psg, psgx, psgr, m, c, rows,
-        bits.shape[-1] if mask == MASK_FROM_BITS else 0, TWO_GRADS=dy2 is not None, MASK=mask, KEEP_G=keep_g,
-        RES_BN=shortcut is not None, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c), STAGES=launch.stages,
-        num_warps=launch.warps)
-    finish_c = min(FINISH_C, triton.next_power_of_2(c))
-    _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgx, invstd, sg, sgx, dw, db, c, parts,
-                                              BLOCK_P=FINISH_P, BLOCK_C=finish_c)
-    sums_r = None
-    if shortcut is not None:
-        sc = shortcut[1]
-        sgr, dw_r, db_r = torch.empty_like(sgx), torch.empty_like(sc.weight), torch.empty_like(sc.bias)
-        # its sum of g is this layer's: sg is written again with the same values
-        _finish_grad[(triton.cdiv(c, finish_c),)](psg, psgr, sc.invstd, sg, sgr, dw_r, db_r, c, parts,
-                                                  BLOCK_P=FINISH_P, BLOCK_C=finish_c)
-        sums_r = (sgr, dw_r, db_r)
-    return sg, sgx, dw, db, g, sums_r
-
-
-def input_gradients(dy: torch.Tensor, x: torch.Tensor, bits: Optional[torch.Tensor], mean: torch.Tensor,
-                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sg: torch.Tensor,
-                    sgx: torch.Tensor, mask: int, dy2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The input's gradient, channels_last, in ``x``'s dtype, from the sums of :func:`gradient_sums`
-    (``dy``, ``dy2``, ``bits`` and ``mask`` as there; or ``dy`` its kept g, with MASK_NONE)."""
-    n, c, h, w = x.shape
-    m = n * h * w
-    launch = LAUNCH["grad_input"]
-    block_m, block_c = _blocks(c, launch)
-    dx = torch.empty_like(x, memory_format=torch.channels_last)
-    xs, dys = _rows(x), _rows(dy)
-    _grad_input[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
-        dys, _rows(dy2) if dy2 is not None else dys, bits if mask == MASK_FROM_BITS else xs, xs, _rows(dx), mean,
-        invstd, weight, bias, sg, sgx, m, c, bits.shape[-1] if mask == MASK_FROM_BITS else 0,
-        TWO_GRADS=dy2 is not None, MASK=mask, BLOCK_M=block_m, BLOCK_C=block_c, WORD=_word(c),
-        num_warps=launch.warps)
-    return dx
-
-
 @torch.library.custom_op("imagenet::bn_stats", mutates_args=("running_mean", "running_var", "num_batches_tracked"))
 def bn_stats_op(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                 num_batches_tracked: torch.Tensor, momentum: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`statistics` as an op (no gradient: :func:`bn_act_op`'s backward accounts for the
     statistics' dependence on ``x``)."""
-    return statistics(_cl(x), running_mean, running_var, momentum, eps, num_batches_tracked)
+    return statistics(to_channels_last(x), running_mean, running_var, momentum, eps, num_batches_tracked)
 
 
 @bn_stats_op.register_fake
@@ -625,20 +62,6 @@ def _(x, running_mean, running_var, num_batches_tracked, momentum, eps):
     c = x.shape[1]
     return x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
 
-
-def statistics_from_sums(sums: torch.Tensor, squares: torch.Tensor, count: int, running_mean: torch.Tensor,
-                         running_var: torch.Tensor, momentum: float, eps: float,
-                         batches: Optional[torch.Tensor] = None) -> tuple:
-    """The batch's per-channel (mean, 1/std) in float32 from the per-channel sum and sum of squares
-    of ``count`` values each; updates the running statistics in place, and ``batches`` as
-    :func:`statistics` does."""
-    c = sums.shape[0]
-    mean, invstd = torch.empty_like(sums), torch.empty_like(sums)
-    block_c = min(triton.next_power_of_2(c), 128)
-    _stats_from_sums[(triton.cdiv(c, block_c),)](sums, squares, mean, invstd, running_mean, running_var,
-                                                 batches if batches is not None else mean, count, c, eps, momentum,
-                                                 COUNT=batches is not None, BLOCK_C=block_c)
-    return mean, invstd
 
 
 @torch.library.custom_op("imagenet::bn_stats_from_sums",
@@ -667,13 +90,13 @@ def bn_act_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residua
     """(relu(bn(x) + residual) with ``x``'s batch statistics (mean, 1/std) from :func:`bn_stats_op`,
     the ReLU's mask bits for the backward or an empty tensor: :func:`normalise`); with the
     ``res_*`` tensors, ``residual`` is the raw input of that shortcut BatchNorm (:class:`Shortcut`)."""
-    return normalise(_cl(x), _cl(residual) if residual is not None else None, mean, invstd, weight, bias, relu,
+    return normalise(to_channels_last(x), to_channels_last(residual) if residual is not None else None, mean, invstd, weight, bias, relu,
                      _shortcut_of(res_weight, res_bias, res_mean, res_invstd))
 
 
 def _fake_bn_act(x, residual, relu) -> tuple:
     y = torch.empty_like(x, memory_format=torch.channels_last)
-    if _mask_kind(relu, residual is not None) == MASK_FROM_BITS:
+    if mask_kind(relu, residual is not None) == MASK_FROM_BITS:
         return y, mask_bits(x)
     return y, x.new_empty(0, dtype=torch.int32)
 
@@ -705,7 +128,7 @@ def bn_act_from_sums_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         shortcut = ShortcutSums(res_weight, res_bias, Sums(res_sums, res_squares, res_running_mean, res_running_var,
                                                            res_num_batches_tracked, res_momentum, res_eps))
     y, bits, mean, invstd, res_mean, res_invstd = normalise_from_sums(
-        _cl(x), _cl(residual) if residual is not None else None, weight, bias, relu,
+        to_channels_last(x), to_channels_last(residual) if residual is not None else None, weight, bias, relu,
         Sums(sums, squares, running_mean, running_var, num_batches_tracked, momentum, eps), shortcut)
     if shortcut is None:  # two tensors: a custom op's outputs may not alias each other
         res_mean, res_invstd = x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
@@ -736,10 +159,10 @@ def bn_act_backward(dy: torch.Tensor, dy2: Optional[torch.Tensor], x: torch.Tens
     the masked gradient (the residual's gradient), and the input-gradient pass reads that one
     tensor instead of both gradients and the mask; with a shortcut BatchNorm, that pass also
     makes its gradient sums, and one more pass its input's gradient."""
-    dy, x = _cl(dy), _cl(x)
-    dy2 = _cl(dy2) if dy2 is not None else None
+    dy, x = to_channels_last(dy), to_channels_last(x)
+    dy2 = to_channels_last(dy2) if dy2 is not None else None
     sc = _shortcut_of(res_weight, res_bias, res_mean, res_invstd)
-    raw = _cl(residual) if sc is not None else None
+    raw = to_channels_last(residual) if sc is not None else None
     sg, sgx, dw, db, g, sums_r = gradient_sums(dy, x, bits, mean, invstd, weight, bias, mask, dy2, keep_g=has_res,
                                                shortcut=(raw, sc) if sc is not None else None)
     if has_res:
@@ -767,7 +190,7 @@ def _(dy, dy2, x, bits, mean, invstd, weight, bias, mask, has_res, residual, res
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, mean, invstd, relu, res_weight, res_bias, res_mean, res_invstd = inputs
     y, bits = output
-    ctx.mask = _mask_kind(relu, residual is not None)
+    ctx.mask = mask_kind(relu, residual is not None)
     ctx.has_res = residual is not None
     ctx.residual_dtype = residual.dtype if residual is not None else None
     # the mask's bits, not the output: y is read again only by the next layer (which keeps it
@@ -784,7 +207,7 @@ def _backward_rule(ctx, dy, dy2=None):
     # channels_last here, where torch.compile sees it: Inductor then writes the gradient in that
     # layout in the kernel that makes it (the last layer's, from the average pool, comes
     # broadcast) instead of the op copying it in a pass of its own
-    dy, dy2 = _cl(dy), (_cl(dy2) if dy2 is not None else None)
+    dy, dy2 = to_channels_last(dy), (to_channels_last(dy2) if dy2 is not None else None)
     dx, dw, db, dr, dw_r, db_r = bn_act_backward(dy, dy2, x, bits, mean, invstd, weight, bias, ctx.mask, ctx.has_res,
                                                  raw, res_weight, res_bias, res_mean, res_invstd)
     if ctx.has_res and dr.dtype != ctx.residual_dtype:
@@ -912,104 +335,13 @@ def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, residual: 
     """:func:`bn_act` of ``conv(x)``; with ``stats_in_conv``, where the BatchNorm is fused and the
     convolution :func:`convstats.applies`, its statistics come from the convolution's epilogue
     (``--bn-kernel cudnn``) instead of a pass of their own over its output."""
-    y, sums = _conv(x, conv, bn, stats_in_conv)
+    y, sums = conv_with_sums(x, conv, bn, stats_in_conv)
     return bn_act(y, bn, residual, relu, fork, sums=sums, residual_bn=residual_bn)
 
 
-def _conv(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, stats_in_conv: bool) -> tuple:
+def conv_with_sums(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, stats_in_conv: bool) -> tuple:
     """(``conv(x)``, its per-channel (sum, sum of squares) where the convolution makes them, else None)."""
     if stats_in_conv and bn.training and convstats.applies(x, conv):
         y, sums, squares = convstats.conv_stats(x, conv)
         return y, (sums, squares)
     return conv(x), None
-
-
-def _block_input(x) -> tuple:
-    """A block's input as (for its first convolution, for its shortcut): a forked pair or one tensor."""
-    return x if isinstance(x, tuple) else (x, x)
-
-
-def _residual(block: nn.Module, x: torch.Tensor) -> tuple:
-    """A block's residual for :func:`bn_act`: (the tensor to add, None), or where the shortcut is a
-    convolution and a BatchNorm, (the convolution's raw output, (the BatchNorm, the output's sums
-    or None)), which the residual add normalises itself."""
-    ds = block.downsample
-    if ds is None:
-        return x, None
-    if isinstance(ds, nn.Sequential) and len(ds) == 2 and isinstance(ds[1], nn.BatchNorm2d):
-        y, sums = _conv(x, ds[0], ds[1], block.stats_in_conv)
-        return y, (ds[1], sums)
-    return ds(x), None
-
-
-class FusedBasicBlock(BasicBlock):
-    """torchvision's BasicBlock with its BatchNorms, add and ReLUs through :func:`bn_act`; with
-    ``fork_output`` (set by :func:`fuse_resnet` where another block follows) its output is a forked
-    pair, and its input may be one."""
-
-    fork_output = False
-    stats_in_conv = False  # set by fuse_resnet: the convolutions make their BatchNorms' sums
-
-    def forward(self, x):
-        x, shortcut = _block_input(x)
-        out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=self.stats_in_conv)
-        residual, residual_bn = _residual(self, shortcut)
-        return conv_bn_act(out, self.conv2, self.bn2, residual=residual, residual_bn=residual_bn,
-                           fork=self.fork_output, stats_in_conv=self.stats_in_conv)
-
-
-class FusedBottleneck(Bottleneck):
-    """torchvision's Bottleneck with its BatchNorms, add and ReLUs through :func:`bn_act`; forked
-    output and input as :class:`FusedBasicBlock`'s."""
-
-    fork_output = False
-    stats_in_conv = False  # set by fuse_resnet: the convolutions make their BatchNorms' sums
-
-    def forward(self, x):
-        x, shortcut = _block_input(x)
-        stats = self.stats_in_conv
-        out = conv_bn_act(x, self.conv1, self.bn1, stats_in_conv=stats)
-        out = conv_bn_act(out, self.conv2, self.bn2, stats_in_conv=stats)
-        residual, residual_bn = _residual(self, shortcut)
-        return conv_bn_act(out, self.conv3, self.bn3, residual=residual, residual_bn=residual_bn,
-                           fork=self.fork_output, stats_in_conv=stats)
-
-
-class FusedResNet(ResNet):
-    """torchvision's ResNet with the stem's BatchNorm and ReLU through :func:`bn_act`."""
-
-    def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(bn_act(self.conv1(x), self.bn1))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-def fuse_resnet(model: nn.Module, stats_in_conv: bool = False) -> nn.Module:
-    """``model`` (a torchvision ResNet) with its blocks' classes swapped for the fused ones, in
-    place: every module, parameter and buffer keeps its name, so the state dict is unchanged. In a
-    whole ResNet every block but the last forks its output (the next block reads it twice), so
-    a layer's output (layer1-layer3, or a block's) is a pair of one tensor: (output, a view of it).
-    ``stats_in_conv``: the blocks' convolutions make their BatchNorms' sums (:func:`conv_bn_act`;
-    not the stem's, whose 3-channel input cuDNN's fused engines refuse)."""
-    swaps = {ResNet: FusedResNet, BasicBlock: FusedBasicBlock, Bottleneck: FusedBottleneck}
-    for module in model.modules():
-        if type(module) in swaps:
-            module.__class__ = swaps[type(module)]
-            if stats_in_conv and type(module) is not FusedResNet:
-                module.stats_in_conv = True
-    if isinstance(model, FusedResNet):  # its blocks run one after another: layer1's first .. layer4's last
-        blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
-        fused = (FusedBasicBlock, FusedBottleneck)
-        for block, following in zip(blocks, blocks[1:]):  # a pair only for a block that takes one
-            if isinstance(block, fused):
-                block.fork_output = isinstance(following, fused)
-    return model
-
-
-def uses_bn_kernels(model: nn.Module) -> bool:
-    return any(isinstance(m, (FusedResNet, FusedBasicBlock, FusedBottleneck)) for m in model.modules())
-
-
-def uses_conv_stats(model: nn.Module) -> bool:
-    """Whether ``model``'s fused blocks take their BatchNorms' sums from their convolutions."""
-    return any(getattr(m, "stats_in_conv", False) for m in model.modules())

@@ -17,8 +17,9 @@ from ..base.torch_private import inductor_tune_kernels
 from ..base.wrappers import strip_prefix, unwrap
 from ..kernels import convstats
 from ..kernels.compiles import available as kernels_available
-from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels, uses_conv_stats
+from ..kernels.bnlaunch import LAUNCH, LAUNCH_ENV, launch_override
 from ..kernels.maxpool import StemMaxPool, is_stem_pool
+from .fusedresnet import fuse_resnet, uses_bn_kernels, uses_conv_stats
 from .stem import pad_stem
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
                  bn_kernels: bool = False, stats_in_conv: bool = False) -> nn.Module:
     """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
     its max-pool computed by :mod:`imagenet.kernels.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
-    with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s, ``stats_in_conv``: their
+    with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s (:mod:`.fusedresnet`), ``stats_in_conv``: their
     statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`); the same state
     dict either way."""
     if arch not in ARCHS:
@@ -48,6 +49,13 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
     if bn_kernels:
         fuse_resnet(model, stats_in_conv)
     return model
+
+
+def has_grouped_convolutions(arch: str) -> bool:
+    """Whether ``arch``'s blocks have grouped convolutions (ResNeXt's 3x3 ones), which
+    :func:`imagenet.kernels.convstats.applies` leaves to torch's convolution, their BatchNorms to
+    the Triton statistics (``--bn-kernel cudnn``)."""
+    return arch.startswith("resnext")
 
 
 def has_stem_kernels(model: nn.Module) -> bool:

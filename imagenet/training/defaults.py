@@ -26,6 +26,7 @@ from ..base.processenv import INDUCTOR_CACHE, MAX_CONNECTIONS, MAX_CONNECTIONS_V
 from ..data.gpu.choice import choose as choose_decode
 from ..data.gpu.choice import gpu_decoder_available
 from ..data.probe import images_are_jpeg
+from ..models.registry import has_grouped_convolutions
 
 
 def usable_cpus() -> int:
@@ -193,6 +194,16 @@ def _conv_stats_fallback(cfg: Config, machine: Machine, compile_mode: str) -> Op
     return None
 
 
+def _grouped_exception(cfg: Config) -> str:
+    """What of ``--bn-kernel cudnn`` the architecture keeps on the Triton statistics, as a clause
+    ('' where nothing): the grouped convolutions, which :func:`imagenet.kernels.convstats.applies`
+    does not hand to cuDNN (its fused convolution + statistics is built for ungrouped ones)."""
+    if not has_grouped_convolutions(cfg.arch):
+        return ""
+    return (f", except after {cfg.arch}'s grouped 3x3 convolutions, which cuDNN's fused convolution + statistics "
+            "does not take (those BatchNorms make their statistics in a Triton pass of their own)")
+
+
 def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     """The layout, kernels and compile mode of a run of ``cfg`` on ``machine``: the flags the user
     gave, and for each ``auto`` the fastest safe choice (see the module's docstring)."""
@@ -244,12 +255,15 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
             bn = "cudnn"
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton, statistics made by cuDNN's fused "
                                   "convolutions", "one pass each way instead of torch's separate kernels, and no "
-                                  "pass of its own for the statistics", "--bn-kernel triton, or torch"))
+                                  f"pass of its own for the statistics{_grouped_exception(cfg)}",
+                                  "--bn-kernel triton, or torch"))
         else:
             choices.append(Choice("BatchNorm + add + ReLU fused in Triton",
                                   "one pass each way instead of torch's separate kernels; their statistics are not "
                                   f"made by cuDNN's fused convolutions, {why_stats}", "--bn-kernel torch"))
     notes = []
+    if cfg.bn_kernel == "cudnn" and cfg.half_dtype is not None and _grouped_exception(cfg):
+        notes.append("--bn-kernel cudnn: the statistics are made by cuDNN's fused convolutions" + _grouped_exception(cfg))
     if cfg.bn_kernel == "cudnn" and cfg.half_dtype is None:
         notes.append("--bn-kernel cudnn: cuDNN's fused statistics serve half-precision convolutions (--fp16, --amp); "
                      "in this fp32 run the Triton kernels make them")

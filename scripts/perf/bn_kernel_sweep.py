@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""Launch settings of the fused BatchNorm kernels (imagenet/kernels/fusedbn.py), timed on ResNet-50's layers.
+"""Launch settings of the fused BatchNorm kernels (imagenet/kernels/bntriton.py, launched by bnlaunch.py), timed on ResNet-50's layers.
 
     python scripts/perf/bn_kernel_sweep.py --out DIR          # on a GPU; batch 256, fp16 activations
 
 For each of the kernels' four phases (statistics, normalise, gradient sums, input gradients)
-and each candidate ``fusedbn.Launch`` (tile, warps, programs per multiprocessor), the phase
+and each candidate ``bnlaunch.Launch`` (tile, warps, programs per multiprocessor), the phase
 runs over every BatchNorm layer of one ResNet-50 training step (53 layers, their shapes,
 residuals and ReLUs as the fused model has them) on random fp16 channels_last activations with
 float32 parameters, as ``--fp16`` runs them; the table gives the phase's milliseconds per step
 (median of the repeats), its memory traffic in TB/s, and marks the fastest setting, which is
-what ``fusedbn.LAUNCH`` should hold (``--out`` writes them as bn_launch.json, the value for
+what ``bnlaunch.LAUNCH`` should hold (``--out`` writes them as bn_launch.json, the value for
 IMAGENET_BN_LAUNCH). The phases' bests add up to the kernels' share of a step. Each phase's
 launches over the 53 layers are replayed as one CUDA graph, so the time is the device's.
 """
@@ -29,22 +29,23 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 from torchvision.models.resnet import Bottleneck  # noqa: E402
 
-from imagenet.kernels import fusedbn  # noqa: E402
+from imagenet.kernels import bnlaunch, bntriton  # noqa: E402
+from imagenet.models import fusedresnet  # noqa: E402
 
 # Stages > 1 pipeline the row loop's loads (more bytes in flight a program, more registers)
-REDUCTIONS = ([fusedbn.Launch(t, w, p, s) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (2, 3, 4)
-               for s in (1, 2, 3, 4)] + [fusedbn.Launch(4096, 4, 8, s) for s in (1, 3)])
-POINTWISE = [fusedbn.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
+REDUCTIONS = ([bnlaunch.Launch(t, w, p, s) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)) for p in (2, 3, 4)
+               for s in (1, 2, 3, 4)] + [bnlaunch.Launch(4096, 4, 8, s) for s in (1, 3)])
+POINTWISE = [bnlaunch.Launch(t, w) for t, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
 
 
 def resnet50_layers(batch: int) -> list:
     """(N, C, H, W, relu, residual, forked, shortcut) of every BatchNorm of a ResNet-50 step at 224
     px, in order; forked: the backward takes two gradients (a block's last BatchNorm whose output
-    fusedbn.fuse_resnet forks); shortcut: "applies" for a block's last BatchNorm whose residual
+    fusedresnet.fuse_resnet forks); shortcut: "applies" for a block's last BatchNorm whose residual
     add applies the downsample's BatchNorm, "folded" for that BatchNorm (its normalise and
     gradient sums are the add's; its input gradient is its own pass), else "". The fused model
     runs torch's modules here (no kernels on the CPU)."""
-    model = fusedbn.fuse_resnet(torchvision.models.resnet50())
+    model = fusedresnet.fuse_resnet(torchvision.models.resnet50())
     shapes = {}
 
     def record(module, _inputs, output) -> None:  # a hook returning a value would replace the output
@@ -72,16 +73,16 @@ def make_tensors(layers: list, device) -> list:
         t = {"x": act(), "r": act() if res else None, "dy": act(), "dy2": act() if forked else None, "relu": relu,
              "w": torch.rand(c, device=device) + 0.5, "b": torch.randn(c, device=device) * 0.1,
              "rm": torch.zeros(c, device=device), "rv": torch.ones(c, device=device)}
-        t["mean"], t["invstd"] = fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
-        t["mask"] = fusedbn._mask_kind(relu, res)
+        t["mean"], t["invstd"] = bnlaunch.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
+        t["mask"] = bnlaunch.mask_kind(relu, res)
         t["shortcut"] = shortcut
         t["sc"] = None
         if shortcut == "applies":  # the residual is the raw input of the downsample's BatchNorm
             rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
-            t["sc"] = fusedbn.Shortcut(torch.rand(c, device=device) + 0.5, torch.randn(c, device=device) * 0.1,
-                                       *fusedbn.statistics(t["r"], rm, rv, 0.1, 1e-5))
-        t["y"], t["bits"] = fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu, t["sc"])
-        t["sums"] = fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
+            t["sc"] = bnlaunch.Shortcut(torch.rand(c, device=device) + 0.5, torch.randn(c, device=device) * 0.1,
+                                       *bnlaunch.statistics(t["r"], rm, rv, 0.1, 1e-5))
+        t["y"], t["bits"] = bnlaunch.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], relu, t["sc"])
+        t["sums"] = bnlaunch.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
                                           t["mask"], t["dy2"], keep_g=res,
                                           shortcut=(t["r"], t["sc"]) if t["sc"] is not None else None)
         out.append(t)
@@ -97,17 +98,17 @@ def phase_call(phase: str, t: dict):
         return None
     sc = (t["r"], t["sc"]) if t["sc"] is not None else None
     if phase == "stats":
-        return lambda: fusedbn.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
+        return lambda: bnlaunch.statistics(t["x"], t["rm"], t["rv"], 0.1, 1e-5)
     if phase == "apply":
-        return lambda: fusedbn.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"], t["sc"])
+        return lambda: bnlaunch.normalise(t["x"], t["r"], t["mean"], t["invstd"], t["w"], t["b"], t["relu"], t["sc"])
     if phase == "grad":
-        return lambda: fusedbn.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
+        return lambda: bnlaunch.gradient_sums(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"],
                                              t["mask"], t["dy2"], keep_g=res, shortcut=sc)
     sg, sgx, g = t["sums"][0], t["sums"][1], t["sums"][4]
     if res:
-        return lambda: fusedbn.input_gradients(g, t["x"], None, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
-                                               fusedbn.MASK_NONE)
-    return lambda: fusedbn.input_gradients(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"], sg,
+        return lambda: bnlaunch.input_gradients(g, t["x"], None, t["mean"], t["invstd"], t["w"], t["b"], sg, sgx,
+                                               bnlaunch.MASK_NONE)
+    return lambda: bnlaunch.input_gradients(t["dy"], t["x"], t["bits"], t["mean"], t["invstd"], t["w"], t["b"], sg,
                                            sgx, t["mask"], t["dy2"])
 
 
@@ -118,7 +119,7 @@ def phase_bytes(phase: str, t: dict) -> int:
         return 0  # the residual add's passes do it
     two = t["dy2"] is not None  # a forked output's second gradient, read by the gradient sums
     res = t["r"] is not None  # the gradient sums write the masked gradient; the input gradients read it alone
-    bits = t["mask"] == fusedbn.MASK_FROM_BITS
+    bits = t["mask"] == bnlaunch.MASK_FROM_BITS
     raw = t.get("shortcut") == "applies"  # the gradient sums read the shortcut's raw input too
     sixteenths = {"stats": 16, "apply": 16 * (2 + res) + bits, "grad": 16 * (2 + two + res + raw) + bits,
                   "grad_input": 16 * 3 if res else 16 * (3 + two) + bits}[phase]
@@ -142,7 +143,7 @@ def resources(phase: str, launch, known: dict, seen: set) -> tuple:
     else the ones ``known`` holds for the same compiled settings (tile, warps, stages: programs
     a multiprocessor only size the grid), which this fills; Nones where Triton does not say."""
     key = (phase, launch.tile, launch.warps, launch.stages)
-    new = [k for k in compiled(getattr(fusedbn, PHASE_KERNELS[phase])) if id(k) not in seen]
+    new = [k for k in compiled(getattr(bntriton, PHASE_KERNELS[phase])) if id(k) not in seen]
     seen.update(id(k) for k in new)
     regs = [getattr(k, "n_regs", None) for k in new]
     if new and None not in regs:
@@ -206,10 +207,10 @@ def main(argv=None) -> int:
     if unknown:
         print(f"--phases: unknown {unknown}; choose from {', '.join(PHASE_KERNELS)}", file=sys.stderr)
         return 2
-    tensors = make_tensors(layers, device)  # compiles every phase's kernels with fusedbn.LAUNCH's settings
+    tensors = make_tensors(layers, device)  # compiles every phase's kernels with bnlaunch.LAUNCH's settings
     known, seen = {}, set()
     for phase in PHASE_KERNELS:
-        resources(phase, fusedbn.LAUNCH[phase], known, seen)
+        resources(phase, bnlaunch.LAUNCH[phase], known, seen)
     ceiling = read = None
     if "stats" in phases:  # the read rate a plain reduction reaches on these tensors: torch's sum of each
         read = sum(t["x"].numel() * 2 for t in tensors)
@@ -218,12 +219,12 @@ def main(argv=None) -> int:
               flush=True)
     rows = []
     for phase in phases:
-        shipped = fusedbn.LAUNCH[phase]
+        shipped = bnlaunch.LAUNCH[phase]
         candidates = REDUCTIONS if phase in ("stats", "grad") else POINTWISE
         moved = sum(phase_bytes(phase, t) for t in tensors)
         # the shipped settings always get a row: the table and the totals compare against them
         for launch in candidates + ([shipped] if shipped not in candidates else []):
-            fusedbn.LAUNCH[phase] = launch
+            bnlaunch.LAUNCH[phase] = launch
             ms = time_phase([call for call in (phase_call(phase, t) for t in tensors) if call], args.repeats)
             regs, spills, shared = resources(phase, launch, known, seen)
             rows.append({"phase": phase, "tile": launch.tile, "warps": launch.warps,
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
                          "resident": resident(regs, shared, launch.warps), "shipped": launch == shipped})
             print(f"{phase} {launch}: {ms:.3f} ms, {rows[-1]['tb_s']:.2f} TB/s, {regs} registers ({spills} spilled)",
                   flush=True)
-        fusedbn.LAUNCH[phase] = shipped
+        bnlaunch.LAUNCH[phase] = shipped
     print(f"\nResNet-50 batch {args.batch}: {len(layers)} BatchNorm layers, fp16 activations; ms per training step")
     print("| phase | tile | warps | programs/SM | stages | ms/step | TB/s | registers (spilled) | shared KB | fit/SM "
           "| |")
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
             print(f"| {phase} | {r['tile']} | {r['warps']} | {r['programs_per_sm'] or '-'} | {r['stages']} | "
                   f"{r['ms']:.3f} | {r['tb_s']:.2f} | {r['regs']} ({r['spills']}) | "
                   f"{'-' if r['shared'] is None else round(r['shared'] / 1024)} | {r['resident']} | {mark} |")
-    print(f"\nthe phases swept: {shipped_total:.2f} ms a step with fusedbn.LAUNCH, {best_total:.2f} with each "
+    print(f"\nthe phases swept: {shipped_total:.2f} ms a step with bnlaunch.LAUNCH, {best_total:.2f} with each "
           f"phase's fastest setting")
     fastest = {phase: min((r for r in rows if r["phase"] == phase), key=lambda r: r["ms"]) for phase in phases}
     launch = {phase: [r["tile"], r["warps"], r["programs_per_sm"], r["stages"]] for phase, r in fastest.items()}

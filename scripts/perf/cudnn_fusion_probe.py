@@ -5,7 +5,7 @@ For every distinct convolution of ResNet-50 at the given batch (fp16, channels_l
 each as the median of windows of CUDA-event-timed repeats:
 
 * today's path: torch's convolution (cuDNN, benchmark mode), our Triton statistics of its output
-  (``fusedbn.statistics``) and, where the convolution reads a BatchNorm + ReLU output that no one
+  (``bnlaunch.statistics``) and, where the convolution reads a BatchNorm + ReLU output that no one
   else reads (a bottleneck's conv2 and conv3), our normalise kernel that makes that input;
   backward: torch's weight and data gradients;
 * cuDNN's fusion graphs: the convolution with its output's per-channel sums in the epilogue
@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from imagenet.kernels import fusedbn  # noqa: E402
+from imagenet.kernels import bnlaunch  # noqa: E402
 
 
 PLANS = 3  # the heuristics' first plans built and timed per graph (each may compile a kernel)
@@ -231,19 +231,19 @@ def main(argv=None) -> int:
         rm, rv = torch.zeros(cout, device="cuda"), torch.ones(cout, device="cuda")
         rm_in, rv_in = torch.zeros(cin, device="cuda"), torch.ones(cin, device="cuda")
         gamma_in, beta_in = torch.rand(cin, device="cuda") + 0.5, torch.randn(cin, device="cuda") * 0.1
-        mean_in, invstd_in = fusedbn.statistics(x, rm_in, rv_in, 0.1, 1e-5)
+        mean_in, invstd_in = bnlaunch.statistics(x, rm_in, rv_in, 0.1, 1e-5)
         scale_in = (gamma_in * invstd_in)
         shift_in = (beta_in - mean_in * scale_in)
         s4 = scale_in.view(1, cin, 1, 1).contiguous(**cl)
         b4 = shift_in.view(1, cin, 1, 1).contiguous(**cl)
-        a = fusedbn.normalise(x, None, mean_in, invstd_in, gamma_in, beta_in, True)[0] if prologue else x
+        a = bnlaunch.normalise(x, None, mean_in, invstd_in, gamma_in, beta_in, True)[0] if prologue else x
         dy = torch.randn_like(y).contiguous(**cl)
         row = {"layers": ",".join(distinct[key]), "count": n, "input": list(xs), "weight": list(ws),
                "stride": list(stride), "prologue": prologue}
         # today's path
         row["torch_fprop"] = timed(lambda: F.conv2d(a, w, stride=stride, padding=padding))
-        row["triton_stats"] = timed(lambda: fusedbn.statistics(y, rm, rv, 0.1, 1e-5))
-        row["triton_apply_in"] = timed(lambda: fusedbn.normalise(x, None, mean_in, invstd_in, gamma_in, beta_in,
+        row["triton_stats"] = timed(lambda: bnlaunch.statistics(y, rm, rv, 0.1, 1e-5))
+        row["triton_apply_in"] = timed(lambda: bnlaunch.normalise(x, None, mean_in, invstd_in, gamma_in, beta_in,
                                                                  True)) if prologue else 0.0
         conv_bwd = torch.ops.aten.convolution_backward
         row["torch_wgrad"] = timed(lambda: conv_bwd(dy, a, w, None, list(stride), list(padding), [1, 1], False,
@@ -252,8 +252,8 @@ def main(argv=None) -> int:
                                                     [0, 0], 1, [True, False, False]))
         if prologue:  # our backward's first pass over (dA, x): the sums the dgrad epilogue would make
             da = torch.randn_like(x).contiguous(**cl)
-            row["triton_grad_sums"] = timed(lambda: fusedbn.gradient_sums(da, x, None, mean_in, invstd_in, gamma_in,
-                                                                          beta_in, fusedbn.MASK_FROM_INPUT))
+            row["triton_grad_sums"] = timed(lambda: bnlaunch.gradient_sums(da, x, None, mean_in, invstd_in, gamma_in,
+                                                                          beta_in, bnlaunch.MASK_FROM_INPUT))
         # cuDNN's graphs
         yf = torch.empty_like(y)
         sums = torch.empty(1, cout, 1, 1, device="cuda", dtype=torch.float32).contiguous(**cl)
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
             if row[label] is None:
                 row[label + "_why"] = why
             if label.endswith("fprop") and row[label] is not None and label != "cudnn_plain_fprop":
-                ref_in = a if label == "cudnn_genstats_fprop" else fusedbn.normalise(
+                ref_in = a if label == "cudnn_genstats_fprop" else bnlaunch.normalise(
                     x, None, mean_in, invstd_in, gamma_in, beta_in, True)[0]
                 ref = F.conv2d(ref_in, w, stride=stride, padding=padding).float()
                 row[label + "_err"] = [float((yf.float() - ref).abs().max() / ref.abs().max()),

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # there when run as a script, not when a test loads this file by its path
     sys.path.insert(0, HERE)
 
-from verify import accuracy, checks, decode, pipeline, shards, speed  # noqa: E402
+from verify import accuracy, checks, decode, family, pipeline, shards, speed  # noqa: E402
 from verify.common import REPO  # noqa: E402
 
 PHASES = {  # name: (function, what it measures)
@@ -36,6 +36,8 @@ PHASES = {  # name: (function, what it measures)
                                        "cold/warm start"),
     "shards": (shards.phase_shards, "tar shards vs the folder they came from: img/s; --shards-parts accuracy: Acc@1"),
     "decode": (decode.phase_decode, "CPU vs GPU decode at 4/6/15 workers, eager and CUDA graphs, each GPU JPEG decoder"),
+    "family": (family.phase_family, "the typed command per ResNet-family arch against eager --fp16 and fp32, "
+                                    "with the banner's choices"),
 }
 OPTIONS = """\
 Every run's folder (log, metrics, checkpoints) goes under --out; every command line is printed
@@ -72,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", default=".01",
                    help="precision/multigpu/recipe: the learning rate (.01: the report's command line; "
                         "configs/fashion-mnist.yaml's own is 0.05 with 12 epochs)")
+    g.add_argument("--recipe-arch", default="resnet18",
+                   help="recipe, precision, multigpu: the architecture (-a) of the recipe's runs")
     g.add_argument("--ref-acc", type=float, help="run 1's Acc@1 from the precision phase, for the multigpu table")
     g.add_argument("--only", help="multigpu: run numbers to run, e.g. 5,6a,6b")
     g.add_argument("--concurrent", action="store_true", help="multigpu: start the runs together (accuracy only)")
@@ -152,6 +156,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-tests", default="",
                    help="decode: test paths to run first in the same call, e.g. 'tests/test_gpudecode.py "
                         "tests/test_gpugeometry.py tests/test_input_account.py'")
+    g = p.add_argument_group("the ResNet family (family)")
+    g.add_argument("--family-archs", default=",".join(family.ARCHS), help="family: the architectures, in order")
+    g.add_argument("--family-rows", default=",".join(family.ROWS),
+                   help="family: of " + ", ".join(f"{k} (-b 256 {v or 'fp32'})" for k, v in family.ROWS.items()))
+    g.add_argument("--family-epochs", type=int, default=2, help="family: epochs of each timed row (the first is left out)")
+    g.add_argument("--family-steps", type=int, default=25, help="family: steps of each epoch")
+    g.add_argument("--family-gib", type=float, default=100,
+                   help="family: estimated GPU GiB the compilations run side by side may take together (an H100: 60)")
+    g.add_argument("--family-budget", type=float, default=560,
+                   help="family: seconds for the phase; the precompiles stop at half, rows not started by the end "
+                        "are reported as not run")
+    g.add_argument("--family-warm", action="store_true", help="family: keep the compile caches of an earlier call")
     return p
 
 

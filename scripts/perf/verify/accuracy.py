@@ -103,7 +103,7 @@ def phase_recipe(args) -> None:
                   f"min {min(accs):.2f}, max {max(accs):.2f}")
     png = os.path.join(args.out, "recipe-fp16-ema-ls.png")
     dirs = " ".join(os.path.join(args.out, f"r-fp16-{v}-s{seeds[0]}") for v, _ in variants)
-    sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title 'ResNet-18 fp16 on Fashion-MNIST, 1 H200: "
+    sh(f"{PY} scripts/plot_metrics.py {dirs} --out {png} --title '{args.recipe_arch} fp16 on Fashion-MNIST, 1 GPU: "
        f"{' vs '.join(names)}'", os.path.join(args.out, "plot.log"))
     print(f"plot: {png}" if os.path.exists(png) else f"plot failed: {tail(os.path.join(args.out, 'plot.log'))}")
 

@@ -129,8 +129,10 @@ def seed_accs(results: list, prefix: str) -> list:
 
 
 def recipe_cmd(args, data: str) -> str:
-    """The Fashion-MNIST recipe (--recipe-config, ResNet-18, batch 128) on ``data``: the accuracy phases' base."""
-    return (f"main.py {data} --config {args.recipe_config} -a resnet18 -b 128 --lr={args.lr} "
+    """The Fashion-MNIST recipe (--recipe-config, --recipe-arch: ResNet-18 unless asked, batch 128)
+    on ``data``: the accuracy phases' base."""
+    arch = getattr(args, "recipe_arch", "resnet18")
+    return (f"main.py {data} --config {args.recipe_config} -a {arch} -b 128 --lr={args.lr} "
             f"--epochs {args.epochs} -j {args.workers} --output-dir OUT")
 
 
@@ -142,6 +144,17 @@ def epoch_rates(out_dir: str, skip: int) -> tuple:
     rates = sorted(r["img_per_s"] for r in rows)
     waits = sorted(r.get("data_wait_frac", float("nan")) for r in rows)
     return statistics.median(rates), rates[0], rates[-1], statistics.median(waits)
+
+
+def first_step(log: str):
+    """The "first step done N s after start" of a main.py log (None if it has none, or no log)."""
+    try:
+        for line in open(log, errors="replace"):
+            if "=> first step done" in line:
+                return float(line.split("done")[1].split("s after")[0])
+    except OSError:
+        pass
+    return None
 
 
 def visible_gpus() -> int:

@@ -10,8 +10,8 @@ import os
 import shutil
 import time
 
-from .common import (G0, PY, REPO, TWO, epoch_rates, fail, print_commands, recipe_cmd, run_group, run_one, table,
-                     tail, visible_gpus)
+from .common import (G0, PY, REPO, TWO, epoch_rates, fail, first_step, print_commands, recipe_cmd, run_group,
+                     run_one, table, tail, visible_gpus)
 from .data import ensure_fashion, ensure_jpeg
 
 BENCH_GROUPS = ("matrix", "ab", "foreach", "profile", "dp", "dp-profile", "ddp", "ddp-nccl", "weak", "small",
@@ -189,14 +189,6 @@ def phase_scaling(args) -> None:
         table(results, "1-fp32")
 
 
-def _first_step(log: str):
-    """The "first step done N s after start" of a main.py log (None if it has none)."""
-    for line in open(log, errors="replace"):
-        if "=> first step done" in line:
-            return float(line.split("done")[1].split("s after")[0])
-    return None
-
-
 def phase_defaults(args) -> None:
     """ResNet-50 main.py --dummy as a user types it, this tree against --old (an older commit's
     tree, e.g. `git archive` of it) side by side; the first step's wait with empty caches
@@ -233,7 +225,7 @@ def phase_defaults(args) -> None:
         for label in ("cold", "warm"):
             for name in ("new-fp16", "new-multiproc-fp16"):
                 res = run_one(f"{label}-{name}", *cmd_of(name, 1, 30), args)
-                waits.append((label, name, _first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
+                waits.append((label, name, first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
         print(f"  (cold and warm starts: {time.time() - t0:.0f} s)", flush=True)
     # the rows' compilations at once, so the timed rows below start from warm caches
     warmed = () if args.skip_cold else ("new-fp16", "new-multiproc-fp16")
