@@ -87,14 +87,16 @@ def test_train_state_round_trips_through_its_state_dict():
 
 
 def test_progress_state_dict_keeps_the_sums_only_mid_epoch():
-    mid = Progress(2, 5, 40.0, [1.0, 2.0])
-    assert mid.state_dict() == {"epoch": 2, "step_in_epoch": 5, "best_acc1": 40.0, "train_partial": [1.0, 2.0]}
+    mid = Progress(2, 5, 40.0, [1.0, 2.0], run_seconds=12.5)
+    assert mid.state_dict() == {"epoch": 2, "step_in_epoch": 5, "best_acc1": 40.0, "train_partial": [1.0, 2.0],
+                                "run_seconds": 12.5}
     back = Progress()
     back.load_state_dict(mid.state_dict())
     assert back == mid
     end = mid.next_epoch(30.0)
-    assert end == Progress(3, 0, 40.0, None) and "train_partial" not in end.state_dict()
+    assert end == Progress(3, 0, 40.0, None, run_seconds=12.5) and "train_partial" not in end.state_dict()
     assert mid.next_epoch(50.0).best_acc1 == 50.0
+    assert mid.next_epoch(None).best_acc1 == 40.0  # an epoch the cadence did not validate
 
 
 def test_checkpoint_policy_saves_every_k_optimizer_steps_with_the_progress(tmp_path):

@@ -96,13 +96,16 @@ class Progress:
     ranks of those batches (``metrics.DeviceSums.raw``, the unreadable images among them too), so
     a resumed epoch reports all of it.
     ``record`` is the metrics row of the epoch before ``epoch``: saved with the checkpoint, so a
-    run that died after the checkpoint but before writing the row still gets it on resume."""
+    run that died after the checkpoint but before writing the row still gets it on resume.
+    ``run_seconds``: the run's clock (:class:`imagenet.training.cadence.RunClock`) when the
+    checkpoint was written (the checkpoint policy sets it), where a resumed run's clock continues."""
 
     epoch: int = 0
     step: int = 0
     best_acc1: float = 0.0
     sums: Optional[list] = None
     record: Optional[dict] = None
+    run_seconds: float = 0.0
 
     @property
     def unreadable(self) -> int:
@@ -113,12 +116,18 @@ class Progress:
         """This epoch, ``step`` batches in."""
         return dataclasses.replace(self, step=step, sums=sums)
 
-    def next_epoch(self, acc1: float, record: Optional[dict] = None) -> "Progress":
-        """The start of the next epoch, after one that validated at ``acc1`` (its metrics row: ``record``)."""
-        return Progress(self.epoch + 1, 0, max(self.best_acc1, acc1), None, record)
+    def best_after(self, acc1: Optional[float]) -> float:
+        """The best Acc@1 after an epoch that validated at ``acc1`` (None: it did not validate)."""
+        return self.best_acc1 if acc1 is None else max(self.best_acc1, acc1)
+
+    def next_epoch(self, acc1: Optional[float], record: Optional[dict] = None) -> "Progress":
+        """The start of the next epoch, after one that validated at ``acc1`` (None: it did not;
+        its metrics row: ``record``)."""
+        return Progress(self.epoch + 1, 0, self.best_after(acc1), None, record, self.run_seconds)
 
     def state_dict(self) -> dict:
-        out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1}
+        out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1,
+               "run_seconds": self.run_seconds}
         if self.step and self.sums is not None:
             out["train_partial"] = self.sums
         if self.record is not None:
@@ -132,6 +141,7 @@ class Progress:
         self.step = int(state.get("step_in_epoch", 0))
         self.sums = state.get("train_partial") if self.step else None
         self.record = state.get("epoch_record")
+        self.run_seconds = float(state.get("run_seconds", 0.0))
 
 
 def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Optional[tuple] = None,
@@ -160,9 +170,11 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
         model.to(memory_format=torch.channels_last)
     precision = precision or build_precision(cfg, ctx.device)
     model = precision.prepare_model(model)  # before the optimizer: it may swap parameters for masters
-    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
+    lars = optim.LarsSettings(cfg.lars_eta, cfg.lars_eps) if cfg.optimizer == "lars" else None
+    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay,
+                                                       lars=lars is not None))
     optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
-                                      ctx.device)
+                                      ctx.device, lars=lars)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(cfg, iters_per_epoch))
     ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)
