@@ -115,3 +115,15 @@ def test_the_flags_are_yaml_keys_too(tmp_path):
     path.write_text("eval-every: 4\neval-start: 2\ntarget-acc: 75.9\noptimizer: lars\nlars-eta: 0.001\n")
     cfg = parse_config(["--config", str(path)])
     assert (cfg.eval_every, cfg.eval_start, cfg.target_acc, cfg.optimizer) == (4, 2, 75.9, "lars")
+
+
+def test_the_mlperf_recipe_is_nvidias_8_gpu_run():
+    from pathlib import Path
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "resnet50-mlperf.yaml"
+    cfg = parse_config(["DIR", "--config", str(recipe)])
+    assert (cfg.batch_size, cfg.lr, cfg.optimizer, cfg.lars_eta, cfg.weight_decay, cfg.momentum) == \
+        (3200, 11.0, "lars", 0.001, 5e-5, 0.9)
+    assert (cfg.lr_schedule, cfg.lr_poly_power, cfg.lr_end, cfg.lr_decay_epochs, cfg.warmup_epochs) == \
+        ("poly", 2.0, 1e-4, 37, 2)
+    assert [e + 1 for e in range(cfg.epochs) if cadence.validates(cfg, e)] == [3, 7, 11, 15, 19, 23, 27, 31, 35, 37]
+    assert cfg.target_acc == 75.9 and cfg.label_smoothing == 0.1 and cfg.fp16
