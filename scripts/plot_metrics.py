@@ -173,10 +173,14 @@ def draw(runs: List[tuple], title: str, out: str) -> None:
         def series(key, records=records):
             return [r[key] for r in records]
 
+        def validated(key, records=records):  # the epochs --eval-every validated, joined by one line
+            kept = [r for r in records if not math.isnan(r[key])]
+            return [r["epoch"] for r in kept], [r[key] for r in kept]
+
         ax_loss.plot(x, series("train_loss"), color=color, linestyle="--", **style)
-        ax_loss.plot(x, series("val_loss"), color=color, linestyle="-", **style)
+        ax_loss.plot(*validated("val_loss"), color=color, linestyle="-", **style)
         ax_acc.plot(x, series("train_acc1"), color=color, linestyle="--", **style)
-        ax_acc.plot(x, series("val_acc1"), color=color, linestyle="-", **style)
+        ax_acc.plot(*validated("val_acc1"), color=color, linestyle="-", **style)
         val = [(r["val_acc1"], r["epoch"]) for r in records if not math.isnan(r["val_acc1"])]
         if val:
             best, best_epoch = max(val, key=lambda t: t[0])

@@ -171,6 +171,22 @@ def test_two_rank_ddp_run_end_to_end(dataset, ddp_epoch):
     model.load_state_dict(ckpt["state_dict"], strict=True)
 
 
+def test_ddp_ranks_skip_validations_and_stop_at_the_target_together(dataset, tmp_path):
+    """--eval-start 1: epoch 0 is not validated (no collective of validation's on any rank); the
+    target is reached at epoch 1's validation as soon as one image of 39 is right, which every rank
+    learns from the same all-reduced sums: all stop there, none waits on a peer."""
+    out = tmp_path / "out"
+    r = run(multiproc("--nproc-per-node", 2, "--log-dir", tmp_path / "logs", "main.py", dataset["root"], *TINY,
+                      "-b", 8, "--epochs", 4, "--eval-start", 1, "--target-acc", 1.01, "--dist-backend", "gloo",
+                      "--output-dir", out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = read_metrics(out)
+    assert [(x["epoch"], x["val_acc1"] is None) for x in records] == [(0, True), (1, False)], records
+    assert records[1]["seconds_to_target"] == records[1]["run_seconds"]
+    assert records[1]["val_samples"] == dataset["n_val"]
+    assert "--target-acc 1.01 reached after epoch 1" in r.stdout
+
+
 # ------------------------------------------------------------ 2. DDP == one process, same batch
 
 PARITY_DRIVER = r'''

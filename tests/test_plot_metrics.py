@@ -35,7 +35,7 @@ def write_run(path: Path, series: dict, precision: str, lines=None) -> Path:
         lines, best = [], 0.0
         for epoch in range(5):
             rec = {key: values[epoch] for key, values in series.items()}
-            best = max(best, rec["val_acc1"])
+            best = max(best, rec["val_acc1"] or 0.0)  # null: an epoch --eval-every did not validate
             rec.update(epoch=epoch, train_acc5=rec["train_acc1"] + 20, train_samples=1281167, steps=5004,
                        train_seconds=1281167 / rec["img_per_s"], val_samples=50000, epoch_seconds=700.0,
                        skipped_steps_total=sum(series["skipped_steps"][:epoch + 1]), best_acc1=best,
@@ -119,6 +119,17 @@ def test_two_runs_overlay_in_one_png(runs, tmp_path, capsys, figures):
     assert len(skipped.lines) == 2  # fp16's overflow steps and unreadable images; fp32 skipped nothing
     star = acc.lines[5]  # fp16's best val epoch is 3, not the last one
     assert list(star.get_xdata()) == [3] and list(star.get_ydata()) == [36.0]
+
+
+def test_the_val_curves_join_the_validated_epochs(tmp_path, capsys, figures):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "every2", dict(FP32, val_loss=[None, 4.48, None, 3.31, 3.02],
+                                              val_acc1=[None, 17.6, None, 35.4, 39.8]), "fp16")
+    rc, _, err = run_main(capsys, run, "--out", tmp_path / "cadence.png")
+    assert rc == 0, err
+    loss, acc = figures[0].axes[:2]
+    assert list(acc.lines[1].get_xdata()) == [1, 3, 4] and list(acc.lines[1].get_ydata()) == [17.6, 35.4, 39.8]
+    assert list(loss.lines[1].get_xdata()) == [1, 3, 4]
 
 
 def test_no_loss_scaling_panel_says_so(runs, tmp_path, capsys, figures):

@@ -264,6 +264,8 @@ def test_bench_names_a_bad_option_value_and_exits_2(args, message, tmp_path, cap
     (["shrink", "--shrink-pipelines", "cpu,nope"], "--shrink-pipelines: unknown ['nope']"),
     (["family", "--family-rows", "typed,nope"], "--family-rows: unknown ['nope']"),
     (["family", "--family-archs", "resnet18,resnet19"], "--family-archs: unknown ['resnet19']"),
+    (["largebatch", "--largebatch-variants", "sgd-b128,adam-b2048"], "--largebatch-variants: 'adam-b2048' is not"),
+    (["largebatch", "--largebatch-variants", "lars-b2048-lr10-cos"], "'lars-b2048-lr10-cos' has 'cos'"),
 ])
 def test_gpu_verify_names_a_bad_option_value_before_any_work(args, message, tmp_path):
     """The GPU matrix is run in scarce device time: a typo must end it at once, with exit 2."""
@@ -283,8 +285,18 @@ def test_gpu_verify_loads_by_path_and_lists_every_phase_in_its_help():
     gv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gv)
     assert {"smoke", "suite", "e2e", "precision", "multigpu", "bench", "recipe", "jpeg", "scaling", "shrink",
-            "defaults", "shards", "decode", "family"} <= set(gv.PHASES)
+            "defaults", "shards", "decode", "family", "largebatch"} <= set(gv.PHASES)
     help_text = gv.parser().format_help()
     for name, (phase, what) in gv.PHASES.items():
         assert callable(phase) and f"gpu_verify.py {name:<10} # {what}" in help_text
     assert gv.parser().parse_args(["decode", "--decode-workers", "2"]).decode_workers == "2"
+
+
+def test_largebatch_variants_scale_the_recipes_rate():
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
+    from verify.accuracy import largebatch_flags
+    assert largebatch_flags("sgd-b128", 0.05) == "-b 128 --lr=0.05"
+    assert largebatch_flags("sgd-b2048-linear", 0.05) == "-b 2048 --lr=0.8 --warmup-epochs 2"
+    assert largebatch_flags("sgd-b2048-sqrt", 0.05) == "-b 2048 --lr=0.2 --warmup-epochs 2"
+    assert largebatch_flags("lars-b2048-lr10-poly", 0.05) == (
+        "-b 2048 --lr-schedule poly --lr-poly-power 2 --lr-end 0.0001 --lr=10 --warmup-epochs 2 --optimizer lars")

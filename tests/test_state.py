@@ -88,19 +88,21 @@ def test_train_state_round_trips_through_its_state_dict():
 
 
 def test_progress_state_dict_keeps_the_sums_only_mid_epoch():
-    mid = Progress(2, 5, 40.0, [1.0, 2.0])
-    assert mid.state_dict() == {"epoch": 2, "step_in_epoch": 5, "best_acc1": 40.0, "train_partial": [1.0, 2.0]}
+    mid = Progress(2, 5, 40.0, [1.0, 2.0], run_seconds=12.5)
+    assert mid.state_dict() == {"epoch": 2, "step_in_epoch": 5, "best_acc1": 40.0, "train_partial": [1.0, 2.0],
+                                "run_seconds": 12.5}
     back = Progress()
     back.load_state_dict(mid.state_dict())
     assert back == mid
     end = mid.next_epoch(30.0)
-    assert end == Progress(3, 0, 40.0, None) and "train_partial" not in end.state_dict()
+    assert end == Progress(3, 0, 40.0, None, run_seconds=12.5) and "train_partial" not in end.state_dict()
     assert mid.next_epoch(50.0).best_acc1 == 50.0
     trained = mid.at_step(8, [1.0], trained=True)  # after the epoch's last step
     assert trained.state_dict()["epoch_trained"] is True and "epoch_trained" not in mid.state_dict()
     back.load_state_dict(trained.state_dict())
     assert back == trained and back.steps_done(8, 1) == 3 * 8 and mid.steps_done(8, 1) == 2 * 8 + 5
     assert not trained.at_step(0, None).trained  # --on-data-change restart-epoch, another batch size
+    assert mid.next_epoch(None).best_acc1 == 40.0  # an epoch the cadence did not validate
 
 
 def test_checkpoint_policy_saves_every_k_optimizer_steps_with_the_progress(tmp_path):
@@ -137,7 +139,7 @@ def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
     monkeypatch.setattr(bench, "build_training", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     ns = dict(arch="resnet18", batch_size=4, image_size=16, optimizer_impl="foreach", compile="off",
               no_cudnn_benchmark=False, num_classes=3, ddp_bucket_mb=0, ddp_bucket_view=False, dp_impl="persistent",
-              tune_kernels=False, maxpool_kernel="auto", bn_kernel="torch")
+              tune_kernels=False, maxpool_kernel="auto", bn_kernel="torch", optimizer="lars")
     step = bench.build_step(type("Args", (), ns)(), "fp16", False, CPU)
     step(torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0]))
     (state,) = built
@@ -145,6 +147,7 @@ def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
     optimized = [p for g in state.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in optimized} == {id(m) for m in state.precision.masters}
     assert state.optimizer.param_groups[0]["lr"] == 0.01
+    assert [g["lars"] for g in state.optimizer.param_groups] == [True, False]  # bench.py --optimizer lars
 
 
 def test_a_row_lost_between_the_checkpoint_and_metrics_jsonl_comes_back_on_resume(digits, tmp_path):

@@ -31,6 +31,18 @@ def test_row_names_become_bench_flags():
     assert "--precision amp-bf16" in step_matrix.row_flags("default-bf16")
 
 
+def test_typed_rows_leave_the_speed_settings_to_main_and_take_lars_and_accumulation():
+    args = type("A", (), {"arch": "resnet50", "image_size": 224})()
+    cmd = step_matrix.dummy_command(step_matrix.check_row("dummy:typed-b400-lars"), args, 256, 10, "/tmp/x")
+    assert "-b 400" in cmd and "--fp16" in cmd and "--optimizer lars" in cmd
+    assert not any(f in cmd for f in ("--compile", "--bn-kernel", "--maxpool-kernel", "--optimizer-impl"))
+    assert "--accum-steps 8" in step_matrix.row_flags("default-b3200-accum8-lars")
+    for bench_row in ("typed-b400", "default-accum8"):  # bench.py has no such settings
+        with pytest.raises(SystemExit, match="main.py's"):
+            step_matrix.check_row(bench_row)
+    assert step_matrix.classify("_master_trust").startswith("optimizer")  # the fp16 step's LARS kernel
+
+
 @pytest.mark.parametrize("name, fragment", [("fast", "unknown mode 'fast'"), ("ro-zz", "unknown modifier 'zz'")])
 def test_unknown_row_names_say_what_is_known(name, fragment):
     with pytest.raises(SystemExit, match=fragment):

@@ -95,6 +95,9 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 1e-4  # L2 coefficient applied by SGD, per step
     no_bn_weight_decay: bool = False  # exempt BatchNorm weights/biases and all biases from decay
+    optimizer: str = "sgd"  # sgd | lars (MLPerf's: SGD with each layer's step scaled by its trust ratio)
+    lars_eta: float = 0.001  # --optimizer lars: trust coefficient (dimensionless)
+    lars_eps: float = 0.0  # --optimizer lars: added to the trust ratio's denominator (gradient-norm units)
     optimizer_impl: str = "auto"  # SGD kernel: auto (triton for --fp16 on CUDA, else fused on CUDA, foreach
     #                               elsewhere) | triton | fused | foreach
     label_smoothing: float = 0.0
@@ -144,6 +147,9 @@ class Config:
     print_freq: int = 10
     tensorboard: bool = False  # also write the per-epoch metrics to OUTPUT_DIR/tensorboard (needs tensorboard)
     progress: str = "auto"  # auto: a bar on a terminal, plain lines otherwise; bar; lines
+    eval_every: int = 1  # validate every N epochs (and always after the last one)
+    eval_start: int = 0  # the first epoch validated, 0-based as in metrics.jsonl (MLPerf's "eval offset")
+    target_acc: Optional[float] = None  # stop once validation Acc@1 (percent) reaches this
     prof: int = -1  # >0: run only this many iterations of one epoch, for profiling (no checkpoint written)
     config: Optional[str] = None
 
@@ -175,6 +181,7 @@ _CHOICES = {"arch": ARCHS, "data_pipeline": ("fast", "classic"),
             "auto_augment": ("none", "randaugment", "trivialaugment", "autoaugment"), "lr_schedule": LR_SCHEDULES,
             "amp_dtype": ("float16", "bfloat16"), "progress": ("auto", "bar", "lines"),
             "dist_backend": ("nccl", "gloo", "mpi", "ucc"), "optimizer_impl": ("auto", "triton", "fused", "foreach"),
+            "optimizer": ("sgd", "lars"),
             "compile": ("auto",) + COMPILE_MODES, "decode": ("cpu", "gpu", "auto"), "maxpool_kernel": MAXPOOL_KERNELS,
             "bn_kernel": BN_KERNELS, "on_data_change": ("stop", "restart-epoch")}
 _HELP = {
@@ -201,6 +208,14 @@ _HELP = {
     "max_bad_fraction": "the largest share of an epoch's images that may be unreadable (skipped and counted): "
                         "exactly this share goes on, more stops the run; 0 stops at the first, 1 never (default "
                         "0.01)",
+    "optimizer": "sgd (default) or lars: SGD whose step of each weight tensor is scaled by its trust ratio "
+                 "eta |w| / (|g| + wd |w| + eps), with no scaling and no weight decay on BatchNorm parameters and "
+                 "biases (MLPerf's ResNet-50 recipe)",
+    "eval_every": "validate every N epochs from --eval-start on, and after the last epoch (default 1)",
+    "eval_start": "the first epoch to validate, 0-based as in metrics.jsonl (default 0; MLPerf's ResNet-50: "
+                  "--eval-every 4 --eval-start 2, its epochs 3, 7, ..., 35)",
+    "target_acc": "stop once validation Acc@1 reaches this percentage (e.g. 75.9), and report the time it took from "
+                  "the first training step",
     "prof": "run only N iterations of one epoch, for profiling (N defaults to 10); writes no checkpoint, and its "
             "row goes to OUTPUT_DIR/prof.jsonl, not metrics.jsonl (its options to prof-config.yaml)",
     "pretrained": "start from torchvision's ImageNet weights NAME (default: DEFAULT, the best; e.g. IMAGENET1K_V1), "
@@ -450,6 +465,8 @@ def _check_numbers(cfg: Config) -> None:
               f"--lr-decay-epochs ({cfg.lr_decay_epochs}) is the epoch the decay ends at: it must come after "
               f"--warmup-epochs ({cfg.warmup_epochs})")
     _need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
+    _need(math.isfinite(cfg.lars_eta) and cfg.lars_eta > 0, f"--lars-eta must be a positive number, got {cfg.lars_eta}")
+    _need(math.isfinite(cfg.lars_eps) and cfg.lars_eps >= 0, f"--lars-eps must be 0 or more, got {cfg.lars_eps}")
 
 
 def _check_input(cfg: Config) -> None:
@@ -496,6 +513,12 @@ def _check_run_control(cfg: Config) -> None:
     _need(cfg.scale_window >= 1, f"--scale-window must be at least 1, got {cfg.scale_window}")
     _need(cfg.initial_loss_scale > 0, f"--initial-loss-scale must be positive, got {cfg.initial_loss_scale}")
     _need(cfg.prof == -1 or cfg.prof >= 1, f"--prof takes a positive number of iterations, got {cfg.prof}")
+    _need(cfg.eval_every >= 1, f"--eval-every is a number of epochs, at least 1, got {cfg.eval_every}")
+    _need(cfg.eval_start >= 0, f"--eval-start is a 0-based epoch, 0 or more, got {cfg.eval_start}")
+    # Acc@1 is printed and stored in percent; MLPerf writes its target as a fraction (0.759)
+    _need(cfg.target_acc is None or (math.isfinite(cfg.target_acc) and 1 < cfg.target_acc <= 100),
+          f"--target-acc is a percentage of validation Acc@1 above 1, as printed (75.9 for 75.9%), "
+          f"got {cfg.target_acc}")
     for name in ("dummy_train_size", "dummy_val_size", "dummy_classes"):
         _need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
 

@@ -100,7 +100,8 @@ class EpochRecord:
     """One line of ``metrics.jsonl``: one epoch. docs/OPTIONS.md's metrics table lists every key.
 
     Rates are images per second, times seconds, accuracies percent; ``train_*`` cover the
-    whole epoch, also one resumed in its middle.
+    whole epoch, also one resumed in its middle; ``val_*`` are null for an epoch the validation
+    cadence (``--eval-every``, ``--eval-start``) skips.
     """
 
     epoch: int
@@ -115,10 +116,10 @@ class EpochRecord:
     img_per_s: float  # steady training rate: after the epoch's first steps, training steps only
     data_wait_frac: float  # share of that time the loop waited for input (over 0.1: input-bound)
     train_seconds: float
-    val_loss: float
-    val_acc1: float
-    val_acc5: float
-    val_samples: int
+    val_loss: Optional[float]
+    val_acc1: Optional[float]
+    val_acc5: Optional[float]
+    val_samples: Optional[int]
     epoch_seconds: float  # training, validation and checkpoint
     skipped_images: int  # unreadable images skipped, train and val
     loss_scale: Optional[float]  # after the epoch; null without loss scaling
@@ -131,6 +132,12 @@ class EpochRecord:
     # times the launcher restarted the processes after a failure, so far in this launch
     # (multiproc --max-restarts / torchrun: TORCHELASTIC_RESTART_COUNT)
     restarts: int = 0
+    # the run's clock after this epoch's validation: seconds since its first optimizer step ended,
+    # summed over resumes (imagenet.training.cadence.RunClock)
+    run_seconds: float = 0.0
+    # --target-acc: in the row of the epoch whose validation first reached it, run_seconds again
+    # (MLPerf's time to train); absent from every other row
+    seconds_to_target: Optional[float] = None
     # --model-ema: the weight average, validated on the same images
     val_loss_ema: Optional[float] = None
     val_acc1_ema: Optional[float] = None
@@ -142,7 +149,8 @@ class EpochRecord:
     # process's (imagenet.data.gpu.account), and "batches", how many it covers
     input_stages: Optional[dict] = None
 
-    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages")
+    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages",
+                "seconds_to_target")
 
     def to_dict(self) -> dict:
         """The JSON row: every key, less the optional ones this run does not produce."""

@@ -12,6 +12,8 @@ names the attribute that moved.
 * :func:`takes_found_inf` / :func:`step_skipping_on_device` -- an optimizer's
   ``_step_supports_amp_scaling`` and the ``found_inf`` / ``grad_scale`` attributes its
   ``step()`` reads (the fused kernels skip an overflowing step on the device).
+* :func:`optimizer_grad_scale` / :func:`set_optimizer_grad_scale` -- the ``grad_scale`` attribute
+  ``torch.amp.GradScaler.step`` sets on a fused optimizer for its ``step()`` to divide by.
 * :func:`set_last_lr` -- ``LRScheduler._last_lr``, what ``get_last_lr()`` answers.
 * :func:`inductor_tune_kernels` -- ``torch._inductor.config.coordinate_descent_tuning``.
 * :func:`shared_bytes` -- ``torch.UntypedStorage._new_shared``, a tensor made in shared memory.
@@ -66,6 +68,17 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
         optimizer.step()
     finally:
         optimizer.found_inf = optimizer.grad_scale = None
+
+
+def optimizer_grad_scale(optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+    """The loss scale ``torch.amp.GradScaler.step`` handed ``optimizer`` for this ``step()`` (a
+    device tensor its fused kernel divides the gradients by), or None: the gradients are unscaled."""
+    return getattr(optimizer, "grad_scale", None)
+
+
+def set_optimizer_grad_scale(optimizer: torch.optim.Optimizer, scale: Optional[torch.Tensor]) -> None:
+    """Set what :func:`optimizer_grad_scale` answers (None: the step divides by nothing)."""
+    optimizer.grad_scale = scale
 
 
 def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list) -> None:

@@ -15,6 +15,11 @@ unchanged. Triton has no tensor lists: the kernels find each tensor in a table o
 program per block of one tensor; the addresses are sent again when one changes (the gradients
 are new tensors every step, but under CUDA graphs they come back at the same addresses), the
 blocks only when the set of tensors does.
+A group marked ``lars`` (:class:`~imagenet.precision.lars.Lars`, ``--optimizer lars``) needs
+each tensor's norms first: there the first kernel also sums the squares of each program's block
+of the master and of the unscaled gradient (4 more bytes a parameter), a third kernel, one program
+a tensor, adds up its programs' sums in a fixed order (no atomics: the same answer every run) into
+the tensor's trust ratio, and the update multiplies the decayed gradient by it before the momentum.
 ``TRITON_INTERPRET=1`` runs the kernels on a CPU (tests).
 """
 
@@ -36,6 +41,7 @@ except ImportError:  # pragma: no cover - a torch without Triton
 # in Python: larger ones there keep a CPU test of ResNet-18 to seconds a step.
 BLOCK = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 WARPS = 4
+TRUST_CHUNK = 1024  # programs' sums a LARS trust-ratio program adds up at once
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -62,22 +68,51 @@ if triton is not None:
         return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
     @triton.jit
-    def _master_check(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, grad_like, BLOCK: tl.constexpr,
-                      ALIGNED: tl.constexpr):
+    def _master_check(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, inv_scale_ptr, sums_ptr, grad_like,
+                      master_like, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, NORMS: tl.constexpr):
         # One program: block j of tensor t's gradient; sets found_inf to 1.0 if it holds an inf or NaN.
-        t = tl.load(blocks_ptr + 2 * tl.program_id(0))
-        j = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
+        # NORMS: also stores the block's sums of squares of the master and the unscaled gradient.
+        pid = tl.program_id(0)
+        t = tl.load(blocks_ptr + 2 * pid)
+        j = tl.load(blocks_ptr + 2 * pid + 1)
         offs = j * BLOCK + tl.arange(0, BLOCK)
-        g = tl.load(_address(table_ptr, 0, t, T, grad_like, ALIGNED) + offs, mask=offs < tl.load(numel_ptr + t),
-                    other=0.0).to(tl.float32)
+        mask = offs < tl.load(numel_ptr + t)
+        g = tl.load(_address(table_ptr, 0, t, T, grad_like, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
         bad = tl.max(((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32), axis=0)
         tl.store(found_inf_ptr, 1.0, mask=bad > 0)
+        if NORMS:
+            g = g * tl.load(inv_scale_ptr)  # torch's unscale
+            p = tl.load(_address(table_ptr, 1, t, T, master_like, ALIGNED) + offs, mask=mask, other=0.0)
+            tl.store(sums_ptr + 2 * pid, tl.sum(p * p, axis=0))
+            tl.store(sums_ptr + 2 * pid + 1, tl.sum(g * g, axis=0))
+
+    @triton.jit(do_not_specialize=["decay_bits", "eta_bits", "eps_bits"])
+    def _master_trust(first_ptr, count_ptr, sums_ptr, ratio_ptr, decay_bits, eta_bits, eps_bits,
+                      CHUNK: tl.constexpr):
+        # One program: tensor t. Adds up its programs' sums of squares (programs first .. first +
+        # count - 1 of the check) in a fixed order and stores its LARS trust ratio (float32, as
+        # imagenet.precision.lars.trust_ratios computes it).
+        t = tl.program_id(0)
+        first = tl.load(first_ptr + t)
+        count = tl.load(count_ptr + t)
+        w2 = tl.zeros([CHUNK], dtype=tl.float32)
+        g2 = tl.zeros([CHUNK], dtype=tl.float32)
+        for k in range(0, count, CHUNK):
+            idx = k + tl.arange(0, CHUNK)
+            inside = idx < count
+            w2 += tl.load(sums_ptr + 2 * (first + idx), mask=inside, other=0.0)
+            g2 += tl.load(sums_ptr + 2 * (first + idx) + 1, mask=inside, other=0.0)
+        w = tl.sqrt(tl.sum(w2, axis=0))
+        g = tl.sqrt(tl.sum(g2, axis=0))
+        decay = _float64(decay_bits).to(tl.float32)
+        ratio = _float64(eta_bits).to(tl.float32) * w / (g + decay * w + _float64(eps_bits).to(tl.float32))
+        tl.store(ratio_ptr + t, tl.where((w > 0) & (g > 0), ratio, 1.0))
 
     @triton.jit(do_not_specialize=["lr_bits", "decay_bits", "momentum_bits", "undamped_bits"])
-    def _master_update(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, inv_scale_ptr, grad_like, master_like,
-                       lr_bits, decay_bits, momentum_bits, undamped_bits, BLOCK: tl.constexpr,
+    def _master_update(blocks_ptr, table_ptr, numel_ptr, T, found_inf_ptr, inv_scale_ptr, ratio_ptr, grad_like,
+                       master_like, lr_bits, decay_bits, momentum_bits, undamped_bits, BLOCK: tl.constexpr,
                        ALIGNED: tl.constexpr, DECAY: tl.constexpr, MOMENTUM: tl.constexpr,
-                       NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr):
+                       NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, LARS: tl.constexpr):
         # One program: block j of tensor t. Nothing is read or written when found_inf is set.
         t = tl.load(blocks_ptr + 2 * tl.program_id(0))
         j = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
@@ -95,6 +130,8 @@ if triton is not None:
             g = -g
         if DECAY:
             g = (g.to(tl.float64) + _float64(decay_bits) * p.to(tl.float64)).to(tl.float32)
+        if LARS:  # the decayed gradient times the tensor's trust ratio, then SGD's momentum without decay
+            g = g * tl.load(ratio_ptr + t)
         if MOMENTUM:
             momentum = _float64(momentum_bits)
             b_ptr = _address(table_ptr, 2, t, T, master_like, ALIGNED) + offs
@@ -110,12 +147,13 @@ if triton is not None:
         tl.store(w_ptr, p.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(numels: list, block: int) -> torch.Tensor:
-    """(tensor, block of it) for every program, flattened, int64: ``block`` elements a program."""
+def _blocks(numels: list, block: int) -> tuple:
+    """(tensor, block of it) for every program, flattened, int64: ``block`` elements a program;
+    and each tensor's first program and count of programs (int64)."""
     counts = (torch.tensor(numels, dtype=torch.int64) + block - 1) // block
     first = torch.cumsum(counts, 0) - counts
     tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    return torch.stack([tensor, torch.arange(int(counts.sum())) - first[tensor]], 1).reshape(-1)
+    return torch.stack([tensor, torch.arange(int(counts.sum())) - first[tensor]], 1).reshape(-1), first, counts
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -132,12 +170,16 @@ class _Launch:
     def __init__(self, group: dict, dtype: torch.dtype, numels: list, device: torch.device):
         self.group, self.device, self.count = group, device, len(numels)
         self.block, self.warps = BLOCK, WARPS
-        blocks = _blocks(numels, self.block)
+        blocks, first, counts = _blocks(numels, self.block)
         self.programs = blocks.numel() // 2
-        sizes = _to_device(torch.cat([torch.tensor(numels, dtype=torch.int64), blocks]), device)
-        self.numels, self.blocks = sizes[:self.count], sizes[self.count:]
+        n = self.count
+        sizes = _to_device(torch.cat([torch.tensor(numels, dtype=torch.int64), first, counts, blocks]), device)
+        self.numels, self.first, self.counts, self.blocks = sizes[:n], sizes[n:2 * n], sizes[2 * n:3 * n], sizes[3 * n:]
         self.grad_like = torch.empty(0, dtype=dtype, device=device)  # the pointer types
         self.master_like = torch.empty(0, dtype=torch.float32, device=device)
+        # LARS: each program's two sums of squares, each tensor's trust ratio (written before read)
+        self.sums = torch.empty(2 * self.programs, dtype=torch.float32, device=device)
+        self.ratios = torch.empty(n, dtype=torch.float32, device=device)
         self.addresses: Optional[torch.Tensor] = None
         self.aligned = False
 
@@ -147,19 +189,30 @@ class _Launch:
         self.aligned = all(a % 16 == 0 for a in flat)  # vector loads and stores where all are
         self.addresses = _to_device(torch.tensor(flat, dtype=torch.int64), self.device)
 
-    def run(self, found_inf: torch.Tensor, inv_scale: torch.Tensor, check: bool) -> None:
-        grid, T = (self.programs,), self.count
-        if check:
-            _master_check[grid](self.blocks, self.addresses, self.numels, T, found_inf, self.grad_like,
-                                BLOCK=self.block, ALIGNED=self.aligned, num_warps=self.warps)
-            return
+    @property
+    def lars(self) -> bool:
+        return bool(self.group.get("lars", False))
+
+    def check(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """The inf/NaN check (and for LARS, each block's sums of squares, then each tensor's trust ratio)."""
+        T, g = self.count, self.group
+        _master_check[(self.programs,)](self.blocks, self.addresses, self.numels, T, found_inf, inv_scale, self.sums,
+                                        self.grad_like, self.master_like, BLOCK=self.block, ALIGNED=self.aligned,
+                                        NORMS=self.lars, num_warps=self.warps)
+        if self.lars:
+            _master_trust[(T,)](self.first, self.counts, self.sums, self.ratios, _bits(g["weight_decay"]),
+                                _bits(g["eta"]), _bits(g["eps"]), CHUNK=TRUST_CHUNK, num_warps=WARPS)
+
+    def update(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """Unscale, decay, (LARS: scale by the trust ratio,) momentum, masters and weights, unless found_inf."""
         g = self.group
-        _master_update[grid](self.blocks, self.addresses, self.numels, T, found_inf, inv_scale, self.grad_like,
-                             self.master_like, _bits(g["lr"]), _bits(g["weight_decay"]), _bits(g["momentum"]),
-                             _bits(1 - g["dampening"]), BLOCK=self.block, ALIGNED=self.aligned,
-                             DECAY=g["weight_decay"] != 0, MOMENTUM=g["momentum"] != 0,
-                             NESTEROV=bool(g["nesterov"]), MAXIMIZE=bool(g.get("maximize", False)),
-                             num_warps=self.warps)
+        _master_update[(self.programs,)](self.blocks, self.addresses, self.numels, self.count, found_inf, inv_scale,
+                                         self.ratios, self.grad_like, self.master_like, _bits(g["lr"]),
+                                         _bits(g["weight_decay"]), _bits(g["momentum"]), _bits(1 - g["dampening"]),
+                                         BLOCK=self.block, ALIGNED=self.aligned, DECAY=g["weight_decay"] != 0,
+                                         MOMENTUM=g["momentum"] != 0, NESTEROV=bool(g["nesterov"]),
+                                         MAXIMIZE=bool(g.get("maximize", False)), LARS=self.lars,
+                                         num_warps=self.warps)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -210,6 +263,8 @@ class MasterStep:
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):
                 return "a learning rate held as a tensor"
+            if group.get("lars") and group.get("maximize"):
+                return "LARS does not maximize"
             by_dtype: dict = {}
             for m in group["params"]:
                 i = index.get(id(m))
@@ -247,7 +302,7 @@ class MasterStep:
         if self._why is not None:
             return self._why
         for launch in self._plans.values():
-            launch.run(found_inf, inv_scale, check=True)
+            launch.check(found_inf, inv_scale)
         for launch in self._plans.values():
-            launch.run(found_inf, inv_scale, check=False)
+            launch.update(found_inf, inv_scale)
         return None

@@ -13,7 +13,8 @@ host value, so the caller can mask later work without waiting for the device.
 Modules: ``base`` (float32 and the interface), ``autocast``, ``master`` (fp16), ``scaler`` (the
 loss scaler, the overflow-skip log), ``copies`` (multi-tensor copies across dtypes), ``norms``
 (the layers kept in float32), ``tf32``, ``factory`` (config -> mode, the banner line), ``optim``
-(SGD, fused on GPUs). Private torch calls live in :mod:`imagenet.base.torch_private`.
+(SGD, fused on GPUs), ``lars`` (``--optimizer lars``: SGD with each layer's step scaled by its
+trust ratio, MLPerf's rule). Private torch calls live in :mod:`imagenet.base.torch_private`.
 
 May import: ``imagenet.base``.
 """

@@ -1,4 +1,5 @@
-"""The optimizer: SGD with momentum over parameter groups, fused into one kernel per step on GPUs.
+"""The optimizer: SGD with momentum over parameter groups, fused into one kernel per step on GPUs;
+with ``--optimizer lars``, :class:`~imagenet.precision.lars.Lars` over the same kernels.
 
 ``--optimizer-impl``:
 
@@ -18,25 +19,35 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.torch_private import takes_found_inf
 from ..kernels.compiles import available as kernels_available
+from .lars import Lars, LarsSettings
+
+__all__ = ["IMPLS", "Lars", "LarsSettings", "build_optimizer", "load_optimizer_state", "param_groups",
+           "resolve_impl", "supports_found_inf"]
 
 IMPLS = ("auto", "triton", "fused", "foreach")
 
 
-def param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bool) -> list:
-    """Optimizer groups of the model's parameters; optionally no decay on BatchNorm and biases."""
-    if not exempt_norm_and_bias:
+def param_groups(model: nn.Module, weight_decay: float, exempt_norm_and_bias: bool, lars: bool = False) -> list:
+    """Optimizer groups of the model's parameters; optionally no decay on BatchNorm and biases.
+    ``lars``: always so, and the weights' group marked for LARS's trust ratio (``"lars"``)."""
+    if not (exempt_norm_and_bias or lars):
         return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
     decay, no_decay = [], []
     for p in model.parameters():
         # 1-D parameters are exactly the BatchNorm weights/biases and the biases in ResNets.
         (no_decay if p.ndim <= 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if lars:
+        groups[0]["lars"], groups[1]["lars"] = True, False
+    return groups
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -48,22 +59,28 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def build_optimizer(groups: list, lr: float, momentum: float, weight_decay: float, impl: str,
-                    device: torch.device) -> torch.optim.SGD:
-    """SGD over ``groups`` (tensors on ``device``) with the implementation ``impl`` resolves to."""
+                    device: torch.device, *, lars: Optional[LarsSettings] = None) -> torch.optim.SGD:
+    """SGD over ``groups`` (tensors on ``device``) with the implementation ``impl`` resolves to;
+    with ``lars``, :class:`Lars` (an SGD) over groups from :func:`param_groups` with ``lars=True``."""
     if impl == "triton" and not kernels_available():
         raise UserError(f"--optimizer-impl triton needs Triton and a CUDA GPU it compiles for (here: {device}, "
                         f"torch {torch.__version__}); use --optimizer-impl auto")
     asked, impl = impl, resolve_impl(impl, device)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True}
+
+    def make(**kind) -> torch.optim.SGD:
+        if lars is not None:
+            return Lars(groups, lr=lr, momentum=momentum, settings=lars, **kind)
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **kind)
     try:
-        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
+        optimizer = make(**kwargs)
     except (RuntimeError, ValueError, TypeError) as e:
         if asked != "auto":
             raise UserError(f"--optimizer-impl {asked} cannot run on {device} with torch {torch.__version__} ({e}); "
                             "use --optimizer-impl foreach") from None
         # An older torch without fused SGD here: the multi-tensor one, skip decided on the host.
         impl = "foreach"
-        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
+        optimizer = make(foreach=True)
     if impl == "fused":
         _fused_momentum_buffers(optimizer)
     return optimizer

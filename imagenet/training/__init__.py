@@ -4,6 +4,8 @@
 * ``defaults`` -- fast by default: what each ``auto`` setting resolves to on this machine, and why.
 * ``engine`` -- the loops: :func:`train_one_epoch`, :func:`validate`.
 * ``schedule`` -- the learning rate's shape per optimizer step (step, cosine, triangular, poly).
+* ``cadence`` -- which epochs validate (``--eval-every``, ``--eval-start``), the run's clock, the stop
+  at ``--target-acc``.
 * ``state`` -- :class:`TrainState` (model, optimizer, schedule, precision, weight average) and
   :class:`Progress`; building and wrapping them.
 * ``ema`` -- the weight average (``--model-ema``).

@@ -20,7 +20,7 @@ logger = logging.getLogger("imagenet")
 
 # Optimisation settings a resumed run takes from its command line, not from the checkpoint.
 RESUME_OVERRIDES = ("lr", "momentum", "weight_decay", "epochs", "lr_schedule", "lr_step", "lr_gamma", "warmup_epochs",
-                    "lr_end", "lr_decay_epochs", "lr_poly_power",
+                    "lr_end", "lr_decay_epochs", "lr_poly_power", "lars_eta", "lars_eps",
                     "batch_size", "accum_steps", "scale_window")
 
 
@@ -42,6 +42,7 @@ def resume_from(path: str, cfg, ctx, state: TrainState, num_classes: int,
     if cfg.evaluate:  # evaluation needs the weights only
         state.load_weights(weights)
         return Progress(progress.epoch, 0, progress.best_acc1)
+    _check_same_optimizer(ckpt, path, cfg)
     try:
         state.load_state_dict({**ckpt, "state_dict": weights})
     except (ValueError, KeyError, RuntimeError) as e:
@@ -81,6 +82,16 @@ def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int)
     if fc is not None and fc.shape[0] != num_classes:
         raise UserError(f"{path} has a {fc.shape[0]}-class classifier, this dataset {num_classes} classes; "
                         "--resume continues the same run: to fine-tune from it use --weights")
+
+
+def _check_same_optimizer(ckpt: dict, path: str, cfg) -> None:
+    """SGD's and LARS's momentum buffers hold different steps (LARS's are scaled by each layer's
+    trust ratio), so a run continues with the optimizer its checkpoint was written with."""
+    saved = (ckpt.get("config") or {}).get("optimizer", "sgd")  # checkpoints older than --optimizer: SGD
+    if saved != cfg.optimizer:
+        raise UserError(f"{path} was trained with --optimizer {saved}, and this run asks for --optimizer "
+                        f"{cfg.optimizer}: its momentum does not carry over; resume with --optimizer {saved}, or "
+                        f"start a new run from its weights with --weights {path}")
 
 
 def _check_data_order(ckpt: dict, progress: Progress, path: str, cfg, now: Optional[dict]) -> Progress:

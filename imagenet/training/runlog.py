@@ -122,17 +122,32 @@ class RunLog:
                            "(%.0f img/s); %s", epoch, 100 * train.data_wait_frac, train.img_per_s,
                            self.input_hint(stages))
 
-    def summary(self, best_acc1: float, last: dict, epochs_run: int, seconds: float, steady: Steady) -> dict:
-        """The run's end: the summary ``run()`` returns, and its line."""
+    def summary(self, best_acc1: float, last: dict, epochs_run: int, seconds: float, steady: Steady,
+                target: Optional[tuple] = None) -> dict:
+        """The run's end: the summary ``run()`` returns, and its line. ``target``: (epoch, seconds
+        on the run's clock) where validation reached ``--target-acc``, None if it did not."""
         world = self.ctx.world_size if self.ctx.distributed else 1
         summary = {"best_acc1": best_acc1, "last_acc1": last.get("val_acc1"), "epochs_run": epochs_run,
                    "seconds": seconds, "img_per_s": steady.img_per_s * world,
-                   "data_wait_frac": steady.data_wait_frac, "last": last}
+                   "data_wait_frac": steady.data_wait_frac, "last": last,
+                   "target_epoch": target[0] if target else None, "seconds_to_target": target[1] if target else None}
         if self.active and last:
-            logger.info("=> done: best Acc@1 %.3f, last Acc@1 %.3f, %.1f s; training %.0f img/s steady, %.0f%% of "
-                        "it waiting for input; outputs in %s", best_acc1, last["val_acc1"], seconds,
-                        summary["img_per_s"], 100 * summary["data_wait_frac"], os.path.abspath(self.cfg.output_dir))
+            last_acc1 = "-" if last["val_acc1"] is None else f"{last['val_acc1']:.3f}"
+            logger.info("=> done: best Acc@1 %.3f, last Acc@1 %s, %.1f s; training %.0f img/s steady, %.0f%% of "
+                        "it waiting for input%s; outputs in %s", best_acc1, last_acc1, seconds,
+                        summary["img_per_s"], 100 * summary["data_wait_frac"], self._target_words(target),
+                        os.path.abspath(self.cfg.output_dir))
         return summary
+
+    def _target_words(self, target: Optional[tuple]) -> str:
+        """The done line's words on ``--target-acc``."""
+        if self.cfg.target_acc is None:
+            return ""
+        if target is None:
+            return f"; --target-acc {self.cfg.target_acc:g} not reached"
+        epoch, seconds = target
+        return (f"; --target-acc {self.cfg.target_acc:g} reached after epoch {epoch} ({epoch + 1} counted from 1), "
+                f"{seconds:.1f} s ({seconds / 60:.2f} min) after the first step")
 
     def input_hint(self, stages: Optional[dict] = None) -> str:
         """What limited the input, and what to try (:func:`input_hint` for this run)."""

@@ -40,6 +40,7 @@ from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
 from ..precision import Precision, configure_tf32, describe
+from .cadence import RunClock, not_validated, reached, validates
 from .defaults import Machine, SpeedPlan, resolve, usable_cpus, with_environment
 from .engine import LoopOptions, Steady, skipped_so_far, train_one_epoch, validate
 from .resume import resume_from
@@ -176,8 +177,13 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
         logger.warning("=> warning: %s on a CPU runs about 36x slower than fp32 (CPUs have no fast float16 "
                        "arithmetic); --amp --amp-dtype bfloat16 trains in mixed precision at fp32 speed here, "
                        "or drop %s", "--fp16" if cfg.fp16 else "--amp float16", "--fp16" if cfg.fp16 else "--amp")
-    logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs", cfg.batch_size, per_dev,
-                cfg.lr, cfg.lr_schedule, cfg.epochs)
+    logger.info("=> batch: global %d, per device %s; lr %g, %s schedule, %d epochs%s", cfg.batch_size, per_dev,
+                cfg.lr, cfg.lr_schedule, cfg.epochs, f"; LARS (trust coefficient {cfg.lars_eta:g}, no scaling or decay "
+                "of BatchNorm parameters and biases)" if cfg.optimizer == "lars" else "")
+    if cfg.eval_every > 1 or cfg.eval_start > 0 or cfg.target_acc is not None:
+        logger.info("=> validation: after epoch %d and every %d from there, and after the last (%d)%s", cfg.eval_start,
+                    cfg.eval_every, cfg.epochs - 1, "" if cfg.target_acc is None else
+                    f"; the run stops once Acc@1 reaches {cfg.target_acc:g} (--target-acc)")
     if cfg.prof > 0:
         logger.info("=> --prof %d: %d optimizer steps of one epoch and part of its validation, for profiling; no "
                     "checkpoint is written, and the epoch's row goes to prof.jsonl, not metrics.jsonl (its options to "
@@ -245,6 +251,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     if not cfg.evaluate and progress.epoch >= cfg.epochs:
         logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
                     "further, or use -e to evaluate it)", progress.epoch, cfg.epochs)
+        return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0,
+                "img_per_s": 0.0, "last": {}}
+    if not cfg.evaluate and reached(cfg, progress.best_acc1):
+        logger.info("=> nothing left to train: the run reached --target-acc %g before epoch %d (best Acc@1 %.3f); "
+                    "raise --target-acc, or drop it, to train further", cfg.target_acc, progress.epoch,
+                    progress.best_acc1)
         return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0,
                 "img_per_s": 0.0, "last": {}}
     # The schedule is a function of the iteration: start it where this epoch begins, also when
@@ -332,11 +344,12 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
     """The recipe: per epoch, train (saving every --save-every-steps; a stop signal saves and
     ends the run), validate (and the weight average), save, report."""
     state, progress = start.state, start.progress
-    saver = CheckpointPolicy(cfg, ctx, start.data.classes, start.data_order)
+    clock = RunClock(progress.run_seconds)
+    saver = CheckpointPolicy(cfg, ctx, start.data.classes, start.data_order, clock=clock.seconds)
     log.catch_up(progress.record)  # the last epoch's row, where the run died before writing it
     run_start = time.perf_counter()
-    first = _FirstStep(started, ctx, cfg.compile)
-    steady, epochs_run, last = Steady(), 0, {}
+    first = _FirstStep(started, ctx, cfg.compile, clock)
+    steady, epochs_run, last, target = Steady(), 0, {}, None
     for epoch in range(progress.epoch, cfg.epochs):  # progress.epoch == epoch inside
         epoch_start = time.perf_counter()
         # the rate of the epoch's first step (state.lr's group); one resumed in its middle took
@@ -351,7 +364,12 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums, skipped), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
-        val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
+        if validates(cfg, epoch):
+            val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
+        else:
+            val, averaged, decoded = not_validated(), {}, _decode_counts(cfg, ctx, start.train_loader, start.val_loader)
+        seconds = clock.seconds()  # the clock at the end of the validation (MLPerf's stops there)
+        target = (epoch, seconds) if reached(cfg, val.acc1) else None
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val), before=progress)
         is_best = saver.is_best(val.acc1, progress)
@@ -362,16 +380,17 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples,
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
-            best_acc1=max(progress.best_acc1, val.acc1), precision=state.precision.name, mode=ctx.mode, image_size=size,
-            world_size=ctx.world_size, restarts=ctx.restart_count, input_stages=stages or None, **averaged,
+            best_acc1=progress.best_after(val.acc1), precision=state.precision.name, mode=ctx.mode,
+            image_size=size, world_size=ctx.world_size, restarts=ctx.restart_count, run_seconds=seconds,
+            seconds_to_target=seconds if target else None, input_stages=stages or None, **averaged,
             **decoded).to_dict()
         progress = progress.next_epoch(val.acc1, record)
         steady, epochs_run, last = steady + train.steady, epochs_run + 1, record
         saver.save(state, progress, is_best)  # first: a metrics line never describes an epoch the checkpoint lacks
         log.epoch(record, train, state.precision.loss_scale, stages)
-        if cfg.prof > 0:
+        if cfg.prof > 0 or target:
             break
-    summary = log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady)
+    summary = log.summary(progress.best_acc1, last, epochs_run, time.perf_counter() - run_start, steady, target)
     return dict(summary, first_step_seconds=first.seconds)
 
 
@@ -380,8 +399,8 @@ class _FirstStep:
     first batch, cuDNN's search and, under --compile, the compilation (which a second run of
     the same command reads from its cache)."""
 
-    def __init__(self, started: float, ctx, compile_mode: str):
-        self.started, self.ctx, self.compile_mode = started, ctx, compile_mode
+    def __init__(self, started: float, ctx, compile_mode: str, clock: Optional[RunClock] = None):
+        self.started, self.ctx, self.compile_mode, self.clock = started, ctx, compile_mode, clock
         self.seconds: Optional[float] = None
 
     def hook(self, inner: Optional[Callable]) -> Callable:
@@ -393,6 +412,8 @@ class _FirstStep:
                 self.seconds = time.perf_counter() - self.started
                 logger.info("=> first step done %.1f s after start%s", self.seconds,
                             f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else "")
+                if self.clock is not None:
+                    self.clock.start()
             if inner is not None:
                 inner(done, so_far)
         return on_step

@@ -3,9 +3,10 @@
 
 A checkpoint is the training state's ``state_dict()``, the progress's, the RNG states of every
 rank, the resolved config, and what decides the training data's order
-(:func:`imagenet.data.dataorder.fingerprint`), which a mid-epoch resume checks. Saves happen after each epoch (model_best too when the epoch
-is the best so far), every ``--save-every-steps`` optimizer steps, and when a stop signal ends
-an epoch early. Every rank calls :meth:`CheckpointPolicy.save` (the RNG states are gathered
+(:func:`imagenet.data.dataorder.fingerprint`), which a mid-epoch resume checks, and the run's
+clock (``run_seconds``). Saves happen after each epoch, validated or not (model_best too when
+its validation is the best so far), every ``--save-every-steps`` optimizer steps, and when a stop
+signal ends an epoch early. Every rank calls :meth:`CheckpointPolicy.save` (the RNG states are gathered
 from all of them); rank 0 writes. A ``--prof`` run saves nothing: it trains and validates a few
 batches, and a checkpoint of it would claim a finished epoch and a best Acc@1 that ``--resume
 auto`` (or an elastic restart) in that folder would take for real.
@@ -13,6 +14,7 @@ auto`` (or an elastic restart) in that folder would take for real.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Optional
 
@@ -23,13 +25,18 @@ from .state import Progress, TrainState
 
 
 class CheckpointPolicy:
-    def __init__(self, cfg, ctx, classes: list, data_order: Optional[dict] = None):
-        self.cfg, self.ctx, self.classes, self.data_order = cfg, ctx, list(classes), data_order
+    def __init__(self, cfg, ctx, classes: list, data_order: Optional[dict] = None,
+                 clock: Optional[Callable[[], float]] = None):
+        """``clock``: the run's clock in seconds (:class:`imagenet.training.cadence.RunClock`),
+        whose reading each checkpoint carries so that a resumed run continues it."""
+        self.cfg, self.ctx, self.classes, self.data_order, self.clock = cfg, ctx, list(classes), data_order, clock
         self.writes = cfg.prof < 0  # the same on every rank: none enters the gather below alone
 
     def save(self, state: TrainState, progress: Progress, is_best: bool = False) -> None:
         if not self.writes:
             return
+        if self.clock is not None:
+            progress = dataclasses.replace(progress, run_seconds=self.clock())
         if state.ema is not None:  # the ranks' mean, which every rank resuming here then holds
             state.ema.average_statistics(self.ctx)
         rng = distributed.gather_objects(ckpt_io.capture_rng(), self.ctx)
@@ -63,9 +70,12 @@ class CheckpointPolicy:
                 self.save(state, progress.at_step(done, part.sums, part.skipped, trained=done >= batches))
         return on_step
 
-    def is_best(self, acc1: float, progress: Progress) -> bool:
-        """Whether an epoch validating at ``acc1`` is the best so far (also the first epoch
-        that writes model_best, even at 0%, so the file exists after every epoch)."""
+    def is_best(self, acc1: Optional[float], progress: Progress) -> bool:
+        """Whether an epoch validating at ``acc1`` is the best so far (also the first validated
+        epoch that writes model_best, even at 0%, so the file exists after every validation).
+        An epoch the cadence did not validate (``acc1`` None) is never the best."""
+        if acc1 is None:
+            return False
         missing = self.ctx.is_main and not os.path.exists(os.path.join(self.cfg.output_dir, ckpt_io.BEST))
         return acc1 > progress.best_acc1 or missing
 

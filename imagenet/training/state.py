@@ -101,7 +101,9 @@ class Progress:
     step: ``--save-every-steps``, what an elastic restart resumes from); a resume trains none of
     it, whatever the data now holds, and the next epoch starts at its beginning. ``skipped``: the
     paths of the unreadable images of the part done, all ranks (the first ``engine.CARRIED_PATHS``;
-    :attr:`unreadable` counts them all), so the resumed epoch lists them too."""
+    :attr:`unreadable` counts them all), so the resumed epoch lists them too.
+    ``run_seconds``: the run's clock (:class:`imagenet.training.cadence.RunClock`) when the
+    checkpoint was written (the checkpoint policy sets it), where a resumed run's clock continues."""
 
     epoch: int = 0
     step: int = 0
@@ -110,6 +112,7 @@ class Progress:
     record: Optional[dict] = None
     trained: bool = False
     skipped: Optional[list] = None
+    run_seconds: float = 0.0
 
     @property
     def unreadable(self) -> int:
@@ -125,12 +128,18 @@ class Progress:
         """The run's optimizer steps before this point, at ``iters`` an epoch (a trained epoch's all)."""
         return (self.epoch + 1) * iters if self.trained else self.epoch * iters + self.step // accum
 
-    def next_epoch(self, acc1: float, record: Optional[dict] = None) -> "Progress":
-        """The start of the next epoch, after one that validated at ``acc1`` (its metrics row: ``record``)."""
-        return Progress(self.epoch + 1, 0, max(self.best_acc1, acc1), None, record)
+    def best_after(self, acc1: Optional[float]) -> float:
+        """The best Acc@1 after an epoch that validated at ``acc1`` (None: it did not validate)."""
+        return self.best_acc1 if acc1 is None else max(self.best_acc1, acc1)
+
+    def next_epoch(self, acc1: Optional[float], record: Optional[dict] = None) -> "Progress":
+        """The start of the next epoch, after one that validated at ``acc1`` (None: it did not;
+        its metrics row: ``record``)."""
+        return Progress(self.epoch + 1, 0, self.best_after(acc1), None, record, run_seconds=self.run_seconds)
 
     def state_dict(self) -> dict:
-        out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1}
+        out = {"epoch": self.epoch, "step_in_epoch": self.step, "best_acc1": self.best_acc1,
+               "run_seconds": self.run_seconds}
         if self.step and self.sums is not None:
             out["train_partial"] = self.sums
         if self.step and self.trained:
@@ -150,6 +159,7 @@ class Progress:
         self.record = state.get("epoch_record")
         self.trained = bool(self.step and state.get("epoch_trained"))
         self.skipped = ([str(p) for p in state.get("skipped_partial") or []] or None) if self.step else None
+        self.run_seconds = float(state.get("run_seconds", 0.0))
 
 
 def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Optional[tuple] = None,
@@ -178,9 +188,11 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
         model.to(memory_format=torch.channels_last)
     precision = precision or build_precision(cfg, ctx.device)
     model = precision.prepare_model(model)  # before the optimizer: it may swap parameters for masters
-    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay))
+    lars = optim.LarsSettings(cfg.lars_eta, cfg.lars_eps) if cfg.optimizer == "lars" else None
+    groups = precision.param_groups(optim.param_groups(model, cfg.weight_decay, cfg.no_bn_weight_decay,
+                                                       lars=lars is not None))
     optimizer = optim.build_optimizer(groups, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.optimizer_impl,
-                                      ctx.device)
+                                      ctx.device, lars=lars)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(cfg, iters_per_epoch))
     ema = ModelEma(model, precision, cfg.model_ema) if cfg.model_ema else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing).to(ctx.device)

@@ -115,7 +115,8 @@ def build_step(args, name: str, channels_last: bool, ctx):
     (``state.build_training``); returns ``step(images, targets)`` (forward, loss, backward,
     optimizer step); the training state lives as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
-                  lr=0.01, optimizer_impl=args.optimizer_impl, compile=args.compile, tune_kernels=args.tune_kernels,
+                  lr=0.01, optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, compile=args.compile,
+                  tune_kernels=args.tune_kernels,
                   maxpool_kernel=args.maxpool_kernel, bn_kernel=args.bn_kernel)
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
@@ -198,7 +199,7 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
             "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
             "devices": ctx.n_devices, "batch": args.batch_size, "compile": args.compile,
             "tune_kernels": args.tune_kernels, "maxpool_kernel": args.maxpool_kernel, "bn_kernel": args.bn_kernel,
-            "optimizer": args.optimizer_impl}
+            "optimizer": args.optimizer_impl, "lars": args.optimizer == "lars"}
 
 
 PREFETCH = 4  # batches each data worker keeps ready
@@ -379,6 +380,7 @@ def main(argv=None) -> int:
     t.add_argument("--ddp-bucket-view", action="store_true",
                    help="DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)")
     t.add_argument("--batch-size", type=int, default=256, help="global batch")
+    t.add_argument("--optimizer", choices=("sgd", "lars"), default="sgd", help="as main.py's --optimizer")
     t.add_argument("--optimizer-impl", choices=IMPLS, default="auto",
                    help="SGD kernel, as main.py's flag: auto = fused on CUDA (skip decided on the device)")
     t.add_argument("--image-size", type=int, default=224)
@@ -455,7 +457,7 @@ def main(argv=None) -> int:
     if ctx.is_main:
         print(f"\n{args.arch}, global batch {args.batch_size}, {ctx.describe()}; "
               f"{flops / 1e9:.1f} GFLOP/img (fwd+bwd); bf16 matmul ceiling {ceiling:.0f} TFLOP/s per GPU; "
-              f"compile {args.compile}, optimizer {args.optimizer_impl}")
+              f"compile {args.compile}, optimizer {args.optimizer} ({args.optimizer_impl})")
         print("| precision | layout | img/s (median) | spread (min..max) | peak GiB | MFU |")
         print("| --- | --- | ---: | --- | ---: | ---: |")
         for r in rows:

@@ -31,6 +31,8 @@ PHASES = {  # name: (function, what it measures)
     "recipe": (accuracy.phase_recipe, "fp16 recipe plain vs weight average + label smoothing, a plot"),
     "jpeg": (pipeline.phase_jpeg, "JPEG input pipelines: classic / CPU decode / GPU decode"),
     "scaling": (speed.phase_scaling, "1/2/4/8 GPUs (as many as visible): DDP vs DP, GPU decode, parity"),
+    "largebatch": (accuracy.phase_largebatch, "Fashion-MNIST at 16x the recipe's batch: SGD at scaled lr vs LARS, "
+                                              "against the recipe"),
     "shrink": (accuracy.phase_shrink, "Fashion-MNIST as 112 px JPEGs trained at 56 px: pixels and Acc@1 per pipeline"),
     "defaults": (speed.phase_defaults, "with --old DIR: the plain commands, an older tree and this one; "
                                        "cold/warm start"),
@@ -84,7 +86,11 @@ def parser() -> argparse.ArgumentParser:
                         "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml), "
                         "kernels, kernels-ro (both kernels, eager or --compile reduce-overhead; against maxpool-torch), "
                         "default (the command as typed: the speed defaults)")
-    g.add_argument("--seeds", default="0", help="recipe, shrink: seeds to run each variant with, e.g. 0,1,2")
+    g.add_argument("--seeds", default="0",
+                   help="recipe, shrink, largebatch: seeds to run each variant with, e.g. 0,1,2")
+    g.add_argument("--largebatch-variants", default="sgd-b128,sgd-b2048-linear,sgd-b2048-sqrt,lars-b2048-lr10-poly",
+                   help="largebatch: OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly] each (--lr is the rate at batch 128; "
+                        "linear and sqrt scale it; poly: MLPerf's decay)")
     g.add_argument("--shrink-store", type=int, default=112, help="shrink: px the JPEGs are stored at")
     g.add_argument("--shrink-size", type=int, default=56, help="shrink: px they are trained and validated at")
     g.add_argument("--shrink-pipelines", default="classic,cpu,gpu", help=f"shrink: of {','.join(accuracy.SHRINK_PIPELINES)}")

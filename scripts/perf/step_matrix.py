@@ -5,6 +5,7 @@
     python scripts/perf/step_matrix.py --rows eager+prof,default+prof --out DIR       # + a kernel-class account
     python scripts/perf/step_matrix.py --rows ro-mp,dummy:ro-mp --out DIR             # the same flags through main.py
     python scripts/perf/step_matrix.py --tests tests/test_maxpool.py --rows eager,eager-mp   # GPU tests first
+    python scripts/perf/step_matrix.py --rows dummy:typed-b256,dummy:typed-b400-lars --out DIR  # main.py as typed
 
 Every row is one process (``scripts/perf/bench.py train`` on synthetic on-device data, or ``main.py
 --dummy`` for a ``dummy:`` row), ResNet-50 224 px ``--channels-last``, run one after another
@@ -30,7 +31,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # A row's name is a mode and modifiers joined by "-", e.g. ro-b384-cdt-mp: the mode is eager
 # (no compile), default, ro (reduce-overhead: CUDA graphs) or ma (max-autotune); the modifiers
 # add flags. Every row is --fp16 and the stem's max-pool on torch's kernel unless it says.
-MODES = {"eager": "--compile off", "default": "--compile default", "ro": "--compile reduce-overhead", "ma": "--compile max-autotune"}
+# typed (dummy: rows only): main.py --fp16 as a user types it, every speed setting left to auto.
+MODES = {"eager": "--compile off", "default": "--compile default", "ro": "--compile reduce-overhead",
+         "ma": "--compile max-autotune", "typed": ""}
 MODIFIERS = {
     "amp": "--precision amp", "bf16": "--precision amp-bf16",
     "cdt": "--tune-kernels",  # Inductor's coordinate-descent tuning of every generated kernel
@@ -40,7 +43,9 @@ MODIFIERS = {
     "1x1mm": "--inductor conv_1x1_as_mm=True",
     "mapw": "--inductor max_autotune_pointwise=True",
     "noconv": "--inductor max_autotune_conv_backends=ATEN",
+    "lars": "--optimizer lars",  # imagenet/precision/lars.py (--fp16: the Triton step's LARS kernels)
 }
+# b<N>: --batch-size N; accum<N> (dummy: rows only): --accum-steps N, N passes of b / N a step
 
 
 def row_flags(name: str) -> str:
@@ -51,9 +56,13 @@ def row_flags(name: str) -> str:
     # every speed setting named: main.py's defaults (dummy: rows) would otherwise choose for the row
     flags = {"precision": "--precision fp16", "maxpool": "--maxpool-kernel torch", "bn": "--bn-kernel torch",
              "mode": MODES[mode]}
+    if mode == "typed":  # main.py decides each speed setting itself
+        flags = {"precision": "--precision fp16"}
     for mod in mods:
         if re.fullmatch(r"b\d+", mod):
             flags["batch"] = f"--batch-size {mod[1:]}"
+        elif re.fullmatch(r"accum\d+", mod):
+            flags["accum"] = f"--accum-steps {mod[5:]}"
         elif mod in ("amp", "bf16"):
             flags["precision"] = MODIFIERS[mod]
         elif mod == "mp":
@@ -63,7 +72,8 @@ def row_flags(name: str) -> str:
         elif mod in MODIFIERS:
             flags[mod] = MODIFIERS[mod]
         else:
-            raise SystemExit(f"row {name!r}: unknown modifier {mod!r}; choose from b<batch>, {', '.join(MODIFIERS)}")
+            raise SystemExit(f"row {name!r}: unknown modifier {mod!r}; choose from b<batch>, accum<passes>, "
+                             f"{', '.join(MODIFIERS)}")
     return " ".join(f for f in flags.values() if f)
 
 
@@ -77,7 +87,7 @@ CLASSES = (
     ("batchnorm (cuDNN, ATen)", r"batch_?norm|bn_fw|bn_bw|welford|cudnn::bn"),
     ("convolution", r"conv|fprop|dgrad|wgrad|implicit|xmma(?!.*gemm)|nhwc|nchw|nvjet|cask"),
     ("gemm (fc)", r"gemm|cublas|cutlass"),
-    ("optimizer", r"sgd|multi_tensor|foreach|unscale|amp_update"),
+    ("optimizer", r"sgd|multi_tensor|foreach|unscale|amp_update|^_master_"),
     ("copy / memset", r"memcpy|memset|copy"),
     ("elementwise / other aten", r"."),
 )
@@ -132,12 +142,23 @@ def dummy_command(flags: str, args, batch: int, steps: int, out: str) -> str:
             f"--output-dir {shlex.quote(out)}")
 
 
+def check_row(spec: str) -> str:
+    """A row's flags (SystemExit naming what is wrong with it): typed and accum<N> exist in main.py only."""
+    name = spec[:-5] if spec.endswith("+prof") else spec
+    dummy = name.startswith("dummy:")
+    base = name[6:] if dummy else name
+    flags = row_flags(base)
+    if not dummy and (base.split("-")[0] == "typed" or "--accum-steps" in flags):
+        raise SystemExit(f"row {spec!r}: typed and accum<N> are main.py's (dummy:{base}); bench.py has neither")
+    return flags
+
+
 def run_row(spec: str, args, remaining: float, log) -> dict:
     profile = spec.endswith("+prof")
     name = spec[:-5] if profile else spec
     dummy = name.startswith("dummy:")
     base = name[6:] if dummy else name
-    flags = row_flags(base)
+    flags = check_row(spec)
     limit = max(10, min(args.row_timeout, remaining))
     row = {"row": spec, "flags": flags}
     if dummy:
@@ -214,6 +235,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=540, help="seconds for the tests and all rows")
     p.add_argument("--row-timeout", type=float, default=300)
     args = p.parse_args()
+    for spec in args.rows.split(","):  # every row's name checked before the first one runs
+        check_row(spec)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     start = time.perf_counter()

@@ -1,11 +1,14 @@
 """Accuracy parity on Fashion-MNIST: each precision on one GPU against fp32 (precision), the
 DataParallel and DDP commands on two GPUs (multigpu), the fp16 recipe with a weight average,
-label smoothing or other kernels over seeds (recipe), and images stored larger than they train
-through each input pipeline, with the pixels each pipeline makes (shrink)."""
+label smoothing or other kernels over seeds (recipe), images stored larger than they train
+through each input pipeline, with the pixels each pipeline makes (shrink), and the recipe at 16x
+its batch with SGD and with LARS (largebatch)."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 
 from .common import (G0, G1, PY, REPO, TWO, fail, last_metrics, recipe_cmd, run_group, run_rows, seed_accs, sh,
@@ -193,3 +196,67 @@ def phase_shrink(args) -> None:
         if accs:
             print(f"| {name} | {' / '.join(f'{a:.2f}' for a in accs)} | {sum(accs) / len(accs):.2f} | "
                   f"{max(accs) - min(accs):.2f} |")
+
+
+LARGE_BATCH_BASE = 128  # the recipe's batch (recipe_cmd's -b), which --lr is the rate of
+
+
+def largebatch_flags(name: str, base_lr: float) -> str:
+    """main.py flags of a large-batch variant ``OPTIMIZER-bBATCH[-RATE][-poly]``: OPTIMIZER sgd or
+    lars; RATE linear (--lr x batch / 128), sqrt (x its square root) or lr<X> (X itself; default: the
+    recipe's rate); poly: MLPerf's decay (power 2 to 1e-4) instead of the recipe's cosine. A batch
+    above the recipe's warms up over 2 epochs (the recipe: 1). A bad name ends the phase (exit 2)."""
+    parts = name.split("-")
+    m = re.fullmatch(r"b(\d+)", parts[1]) if len(parts) > 1 else None
+    if parts[0] not in ("sgd", "lars") or m is None:
+        fail(f"--largebatch-variants: {name!r} is not OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly] with OPTIMIZER "
+             "sgd or lars, e.g. lars-b2048-lr10-poly")
+    batch, lr, flags = int(m.group(1)), base_lr, [f"-b {m.group(1)}"]
+    for part in parts[2:]:
+        if part == "linear":
+            lr = base_lr * batch / LARGE_BATCH_BASE
+        elif part == "sqrt":
+            lr = base_lr * math.sqrt(batch / LARGE_BATCH_BASE)
+        elif re.fullmatch(r"lr[0-9.]+", part):
+            lr = float(part[2:])
+        elif part == "poly":
+            flags.append("--lr-schedule poly --lr-poly-power 2 --lr-end 0.0001")
+        else:
+            fail(f"--largebatch-variants: {name!r} has {part!r}, not linear, sqrt, lr<X> or poly")
+    flags.append(f"--lr={lr:g}")
+    if batch > LARGE_BATCH_BASE:
+        flags.append("--warmup-epochs 2")
+    if parts[0] == "lars":
+        flags.append("--optimizer lars")
+    return " ".join(flags)
+
+
+def phase_largebatch(args) -> None:
+    """The recipe (--recipe-config, --lr its rate at batch 128) as each of --largebatch-variants,
+    for each of --seeds, all at once on the visible GPUs (accuracy only; eager fp16, so that no run
+    waits for a compilation), then each variant's mean and whether LARS at the large batch comes
+    within 0.5 points of SGD at the recipe's batch where SGD at the large batch falls short."""
+    names = args.largebatch_variants.split(",")
+    flags = {v: largebatch_flags(v, float(args.lr)) for v in names}  # every name checked before any work
+    data = ensure_fashion(args)
+    base = f"{PY} {recipe_cmd(args, data)} --fp16{EAGER}"
+    seeds = [int(x) for x in args.seeds.split(",")]
+    gpus = max(visible_gpus(), 1)
+    runs = [{"name": f"lb-{v}-s{seed}", "cmd": f"{base} {flags[v]} --seed {seed}",
+             "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}}
+            for k, (seed, v) in enumerate((s_, v_) for s_ in seeds for v_ in names)]
+    results = run_group(runs, args)
+    table(results, f"lb-{names[0]}-s{seeds[0]}")
+    means = {}
+    for v in names:
+        accs = seed_accs(results, f"lb-{v}")
+        if accs:
+            means[v] = sum(accs) / len(accs)
+            print(f"{v} ({flags[v]}): final Acc@1 mean {means[v]:.2f} over {len(accs)} seed(s), "
+                  f"min {min(accs):.2f}, max {max(accs):.2f}")
+    small = next((v for v in names if v.startswith("sgd-b") and int(v.split("-")[1][1:]) == LARGE_BATCH_BASE), None)
+    if small in means:
+        for v in names:
+            if v != small and v in means:
+                gap = means[v] - means[small]
+                print(f"{v}: {gap:+.2f} points against {small} ({'within' if gap >= -0.5 else 'short of'} 0.5)")

@@ -78,7 +78,7 @@ def run_group(runs: list, args) -> list:
         rc = proc.wait()
         rows = last_metrics(out)
         res = {"name": r["name"], "cmd": cmd, "env": r.get("env", {}), "rc": rc, "seconds": time.time() - t0,
-               "acc1": rows[-1]["val_acc1"] if rows else None, "best": max((x["val_acc1"] for x in rows), default=None),
+               "acc1": rows[-1]["val_acc1"] if rows else None, "best": max((x["val_acc1"] for x in rows if x["val_acc1"] is not None), default=None),
                "val_samples": rows[-1]["val_samples"] if rows else None,
                "img_per_s": statistics.median(x["img_per_s"] for x in rows) if rows else None,
                "skipped_steps": rows[-1].get("skipped_steps_total") if rows else None,
