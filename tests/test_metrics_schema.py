@@ -41,7 +41,8 @@ def test_every_row_key_is_documented_and_no_loop_control_leaks(digits, tmp_path)
     assert len(rows) == 2
     for row in rows:
         assert set(row) <= documented_keys(), set(row) - documented_keys()
-        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages"}  # no --decode gpu here
+        # no --decode gpu, no --compile here
+        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages", "compiles"}
 
 
 def test_optional_keys_are_left_out_when_the_run_has_none():

@@ -47,6 +47,7 @@ class Config:
     val_resize: Optional[int] = None  # validation images are resized to this (shorter side), then center-cropped;
     #                                    default 256, or with --pretrained the weights' own (232 for V2 weights)
     val_crop: Optional[int] = None  # validation crop if not --image-size: train low-res, test at 224
+    val_flip: bool = False  # validation averages the logits of each image and its left-right mirror
     progressive_resize: Optional[int] = None  # train at this many px first, growing to --image-size
     progressive_ramp: Optional[str] = None  # "FIRST:LAST" epochs of that growth (default 0:3/4 of --epochs)
     progressive_step: int = 32  # px the ramp's sizes are rounded to (each size compiles once under --compile)

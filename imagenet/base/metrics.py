@@ -141,8 +141,12 @@ class EpochRecord:
     # --decode gpu: milliseconds per training batch in each stage of the input path, this
     # process's (imagenet.data.gpu.account), and "batches", how many it covers
     input_stages: Optional[dict] = None
+    # --compile: graphs torch.compile compiled in the epoch, training and validation (0 once every
+    # shape of it was compiled in an earlier epoch)
+    compiles: Optional[int] = None
 
-    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages")
+    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages",
+                "compiles")
 
     def to_dict(self) -> dict:
         """The JSON row: every key, less the optional ones this run does not produce."""

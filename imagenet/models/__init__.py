@@ -4,6 +4,8 @@
   weights (``--pretrained``, ``--weights``), fitting state dicts, and ``torch.compile``.
 * ``stem`` -- the stem's 3-channel convolution given a zero fourth channel on GPUs in half
   precision, which cuDNN's first-layer kernels would otherwise pad on every pass.
+* ``evaluation`` -- the validation forward pass: flip averaging (``--val-flip``), a module of its
+  own so ``torch.compile`` gives it graphs of its own, and batches padded to one size.
 
 May import: ``imagenet.base``, ``imagenet.kernels``.
 """

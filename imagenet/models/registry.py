@@ -13,7 +13,7 @@ import torchvision
 
 from ..base.config import ARCHS
 from ..base.errors import UserError
-from ..base.torch_private import inductor_tune_kernels
+from ..base.torch_private import inductor_tune_kernels, raise_recompile_limit
 from ..base.wrappers import strip_prefix, unwrap
 from ..kernels import convstats
 from ..kernels.compiles import available as kernels_available
@@ -202,7 +202,11 @@ def pretrained_state_dict(weights: PretrainedWeights) -> dict:
                         "delete the file and copy it again")
 
 
-def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False) -> nn.Module:
+COMPILE_BACKEND_ENV = "IMAGENET_COMPILE_BACKEND"  # a torch.compile backend instead of Inductor (tests: eager)
+DYNAMO_GRAPHS = 8  # torch's own recompile limit: graphs per function beside the ones a run plans for
+
+
+def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False, shapes: int = 1) -> nn.Module:
     """``torch.compile`` the (wrapped) training model unless ``mode`` is ``off``.
 
     Under DDP the DDP wrapper itself is compiled, so the graph is split at gradient-bucket
@@ -215,8 +219,14 @@ def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False
     did, instead of Dynamo's automatic switch to a graph with a symbolic batch size. On an H200 a
     16 px ResNet-18 (1x1 last feature maps) compiled fresh trained, while such a second compile
     in one process failed Inductor's stride check on a convolution's weight gradient.
+    ``shapes``: the input shapes the run plans to compile (``--progressive-resize``'s sizes):
+    Dynamo's limit of graphs per function is raised to hold them and torch's own 8 besides,
+    since past it Dynamo would run the model uncompiled for good (pytorch/pytorch#139474).
     ``tune`` (``--tune-kernels``): Inductor tunes every generated kernel's block sizes and warps by
     coordinate descent, timing them on the first steps (minutes, cached on disk for later runs).
+    ``IMAGENET_COMPILE_BACKEND`` (e.g. ``eager``, ``aot_eager``) compiles with that backend instead
+    of Inductor, ``mode`` aside: Dynamo's capture and guards without Inductor's code generation,
+    which is how the CPU tests count graphs in seconds.
     """
     if mode == "off":
         return model
@@ -225,6 +235,10 @@ def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False
                         "python -m multiproc main.py ... --compile " + mode)
     if not hasattr(torch, "compile"):
         raise UserError(f"--compile needs torch >= 2.0; this is torch {torch.__version__}: drop --compile")
+    raise_recompile_limit(shapes + DYNAMO_GRAPHS)
+    backend = os.environ.get(COMPILE_BACKEND_ENV)
+    if backend:
+        return torch.compile(model, backend=backend, dynamic=False)
     if tune:
         inductor_tune_kernels()
     return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)

@@ -16,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.metrics import means
+from ..data.loaders import micro_batch_size
 from ..data.mixing import BatchMixer
+from ..data.transforms import training_sizes
+from ..models.evaluation import Evaluator, FixedBatch
 from ..models.registry import (compile_model, create_model, load_weights_into, use_bn_kernels, use_conv_stats,
                                use_stem_kernels)
 from ..parallel import distributed
@@ -42,7 +45,9 @@ class TrainState:
     :func:`wrap_training`, inside its DP/DDP/compile wrappers; ``precision`` reads and writes
     its float32 weights through them. ``criterion`` is the validation loss (with the label
     smoothing); ``train_criterion`` the training loss (plain cross entropy when ``mixer`` makes
-    soft labels, which carry the smoothing)."""
+    soft labels, which carry the smoothing). ``evaluator`` computes validation's logits from the
+    same network (``--val-flip``'s mean over a mirror; after :func:`wrap_training` compiled apart
+    from the training model where it is compiled): what :func:`engine.validate` runs."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -52,6 +57,7 @@ class TrainState:
     train_criterion: nn.Module
     ema: Optional[ModelEma] = None
     mixer: Optional[BatchMixer] = None
+    evaluator: Optional[Callable] = None
 
     @property
     def lr(self) -> float:
@@ -171,13 +177,19 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
         mixer = BatchMixer(num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing,
                            seed=cfg.seed if cfg.seed is not None else 0, rank=ctx.rank)
         train_criterion = nn.CrossEntropyLoss().to(ctx.device)
-    return TrainState(model, optimizer, scheduler, precision, criterion, train_criterion, ema, mixer)
+    return TrainState(model, optimizer, scheduler, precision, criterion, train_criterion, ema, mixer,
+                      Evaluator(model, cfg.val_flip))
 
 
 def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     """The state with its model wrapped for the launch mode (DataParallel, DDP) and compiled as
-    ``--compile`` says; after any weights are loaded (DDP broadcasts rank 0's at wrapping)."""
+    ``--compile`` says, after any weights are loaded (DDP broadcasts rank 0's at wrapping): one
+    graph per training size (``--progressive-resize``), and the evaluator compiled apart, fed
+    batches of one size (:class:`FixedBatch`), so validation compiles once too."""
     cfg = resolved(cfg, ctx)
     state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode,
-                                tune=cfg.tune_kernels)
+                                tune=cfg.tune_kernels, shapes=len(training_sizes(cfg)))
+    if cfg.compile != "off" and state.evaluator is not None:
+        state.evaluator = FixedBatch(compile_model(state.evaluator, cfg.compile, ctx.mode, tune=cfg.tune_kernels),
+                                     micro_batch_size(cfg, ctx))
     return state
