@@ -73,6 +73,7 @@ class Config:
     # -- model ------------------------------------------------------------------------------
     arch: str = "resnet18"
     small_stem: bool = False  # 3x3 stride-1 first conv and no max-pool, for low-resolution images
+    blurpool: bool = False  # a 3x3 binomial blur before each strided convolution of >= 16 input channels (FFCV's)
     pretrained: Optional[str] = None  # torchvision ImageNet weights by name (DEFAULT, IMAGENET1K_V1, ...), from
     #                                   the local torch hub cache only; --pretrained alone: DEFAULT
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from

@@ -19,18 +19,20 @@ from ..kernels import convstats
 from ..kernels.compiles import available as kernels_available
 from ..kernels.fusedbn import LAUNCH, LAUNCH_ENV, fuse_resnet, launch_override, uses_bn_kernels, uses_conv_stats
 from ..kernels.maxpool import StemMaxPool, is_stem_pool
+from .blurpool import add_blur, uses_blur
 from .stem import pad_stem
 
 logger = logging.getLogger(__name__)
 
 
 def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False,
-                 bn_kernels: bool = False, stats_in_conv: bool = False) -> nn.Module:
+                 bn_kernels: bool = False, stats_in_conv: bool = False, blurpool: bool = False) -> nn.Module:
     """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
     its max-pool computed by :mod:`imagenet.kernels.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
     with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s, ``stats_in_conv``: their
-    statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`); the same state
-    dict either way."""
+    statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`; not those of
+    blurred convolutions, which take the Triton pass); ``blurpool``: FFCV's blur before each
+    strided convolution (:mod:`.blurpool`). The same state dict every way."""
     if arch not in ARCHS:
         raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
@@ -45,9 +47,36 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
         pad_stem(model)  # the convolution cuDNN pads to 4 channels itself, padded once (models/stem.py)
         if stem_kernels and is_stem_pool(model.maxpool):
             model.maxpool = StemMaxPool()
+    if blurpool:
+        add_blur(model)
     if bn_kernels:
         fuse_resnet(model, stats_in_conv)
     return model
+
+
+def model_from_checkpoint(path: str, weights: str = "state_dict") -> nn.Module:
+    """The model of one of this trainer's checkpoints, on the CPU in float32, in evaluation mode:
+    the architecture its resolved config names (``-a``, ``--small-stem``, ``--blurpool``: a
+    ``--blurpool`` model's weights load into a plain torchvision model too, but without the blur it
+    scores lower) with torch's own modules, its classes from the classifier's shape, and its
+    ``weights`` (``state_dict_ema``: the weight average's). A plain state dict names no
+    architecture and is refused: load it into the model it came from yourself."""
+    from ..base.checkpoint import read_checkpoint
+    ckpt = read_checkpoint(path)
+    config = ckpt.get("config")
+    if not isinstance(config, dict) or weights not in ckpt:
+        raise UserError(f"{path} is no checkpoint of this trainer with {weights!r} (a plain state dict names no "
+                        "architecture): load it into torchvision's model yourself")
+    state = strip_prefix(ckpt[weights])
+    model = create_model(ckpt.get("arch", config.get("arch")), int(state["fc.weight"].shape[0]),
+                         small_stem=bool(config.get("small_stem")), blurpool=bool(config.get("blurpool")))
+    load_weights_into(model, state, path)
+    return model.float().eval()
+
+
+def has_blur(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model blurs before its strided convolutions (``--blurpool``)."""
+    return uses_blur(unwrap(model))
 
 
 def has_stem_kernels(model: nn.Module) -> bool:

@@ -36,7 +36,8 @@ from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, progressive_ramp, training_sizes, val_geometry
 from ..models.evaluation import Evaluator
-from ..models.registry import has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
+from ..models.registry import (has_blur, has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict,
+                               pretrained_weights)
 from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
@@ -143,7 +144,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
         logger.info("=> note: -j %d asks for more data workers than the %d CPU core%s this process may use: all %d "
                     "run, taking turns on %s (-j %d or fewer gives each a core of its own)", cfg.workers, cpus,
                     "" if cpus == 1 else "s", cfg.workers, "it" if cpus == 1 else "them", cpus)
-    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
+    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, (" (small stem)" if cfg.small_stem else "") +
+                (" with BlurPool (a blur before each strided convolution)" if has_blur(state.model) else ""),
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
                 if weights is not None else "")

@@ -150,7 +150,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
                          use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
                          use_bn_kernels(cfg.bn_kernel, ctx.device),
-                         use_conv_stats(cfg.bn_kernel, ctx.device, cfg.half_dtype))
+                         use_conv_stats(cfg.bn_kernel, ctx.device, cfg.half_dtype), blurpool=cfg.blurpool)
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:
