@@ -131,6 +131,7 @@ class EpochRecord:
     # times the launcher restarted the processes after a failure, so far in this launch
     # (multiproc --max-restarts / torchrun: TORCHELASTIC_RESTART_COUNT)
     restarts: int = 0
+    val_seconds: float = 0.0  # the epoch's validation (and the weight average's), compiling included
     # --model-ema: the weight average, validated on the same images
     val_loss_ema: Optional[float] = None
     val_acc1_ema: Optional[float] = None

@@ -358,7 +358,9 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
+        val_start = time.perf_counter()
         val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
+        val_seconds = time.perf_counter() - val_start
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val), earlier=progress.unreadable)
         is_best = saver.is_best(val.acc1, progress)
@@ -367,7 +369,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
             train_acc5=train.acc5, train_samples=train.samples, steps=train.steps, skipped_steps=train.skipped_steps,
             img_per_s=train.img_per_s, data_wait_frac=train.data_wait_frac, train_seconds=train.seconds,
-            val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples,
+            val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples, val_seconds=val_seconds,
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
             best_acc1=max(progress.best_acc1, val.acc1), precision=state.precision.name, mode=ctx.mode, image_size=size,

@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
                    help="recipe: comma list of plain,ema-ls,ema,ls (weight average, label smoothing), "
                         "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml), "
                         "kernels, kernels-ro (both kernels, eager or --compile reduce-overhead; against maxpool-torch), "
-                        "default (the command as typed: the speed defaults)")
+                        "default (the command as typed: the speed defaults), ramp, ramp-eager, ramp-triangular "
+                        "(progressive resizing 32 -> 56 px with configs/fashion-mnist-stem.yaml: compiled, eager, "
+                        "FFCV's triangular schedule); the first is the table's reference")
     g.add_argument("--seeds", default="0", help="recipe, shrink: seeds to run each variant with, e.g. 0,1,2")
     g.add_argument("--shrink-store", type=int, default=112, help="shrink: px the JPEGs are stored at")
     g.add_argument("--shrink-size", type=int, default=56, help="shrink: px they are trained and validated at")
