@@ -116,3 +116,13 @@ def test_a_padded_short_batch_changes_no_logit_and_keeps_the_layout():
     torch.testing.assert_close(FixedBatch(spy, 8)(x), net(x))
     assert seen[0].shape[0] == 8 and seen[0].is_contiguous(memory_format=torch.channels_last)
     assert FixedBatch(spy, 3)(x).shape[0] == 3 and seen[1] is x
+
+
+def test_the_evaluator_runs_dataparallels_wrapper(monkeypatch):
+    """DataParallel splits validation's batch over its GPUs as it does training's: the evaluator
+    runs the wrapper, not the module inside it (DDP's inner module, whose forward talks to no rank)."""
+    from imagenet.parallel import distributed
+    monkeypatch.setattr(distributed, "wrap", lambda model, ctx, **kw: nn.DataParallel(model))
+    c = Config(arch="resnet18", image_size=16, compile="off", val_flip=True)
+    state = wrap_training(build_training(c, CPU, num_classes=3, iters_per_epoch=4), c, CPU)
+    assert isinstance(state.evaluator, Evaluator) and state.evaluator.net is state.model and state.evaluator.flip

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.metrics import means
+from ..base.wrappers import ddp_of
 from ..data.loaders import micro_batch_size
 from ..data.mixing import BatchMixer
 from ..data.transforms import training_sizes
@@ -46,8 +47,9 @@ class TrainState:
     its float32 weights through them. ``criterion`` is the validation loss (with the label
     smoothing); ``train_criterion`` the training loss (plain cross entropy when ``mixer`` makes
     soft labels, which carry the smoothing). ``evaluator`` computes validation's logits from the
-    same network (``--val-flip``'s mean over a mirror; after :func:`wrap_training` compiled apart
-    from the training model where it is compiled): what :func:`engine.validate` runs."""
+    same network (``--val-flip``'s mean over a mirror), made by :func:`wrap_training` (compiled
+    apart from the training model where that one is): what :func:`engine.validate` runs; None
+    before (validation then runs the model itself)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -177,19 +179,24 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
         mixer = BatchMixer(num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing,
                            seed=cfg.seed if cfg.seed is not None else 0, rank=ctx.rank)
         train_criterion = nn.CrossEntropyLoss().to(ctx.device)
-    return TrainState(model, optimizer, scheduler, precision, criterion, train_criterion, ema, mixer,
-                      Evaluator(model, cfg.val_flip))
+    return TrainState(model, optimizer, scheduler, precision, criterion, train_criterion, ema, mixer)
 
 
 def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     """The state with its model wrapped for the launch mode (DataParallel, DDP) and compiled as
     ``--compile`` says, after any weights are loaded (DDP broadcasts rank 0's at wrapping): one
-    graph per training size (``--progressive-resize``), and the evaluator compiled apart, fed
-    batches of one size (:class:`FixedBatch`), so validation compiles once too."""
+    graph per training size (``--progressive-resize``). Its evaluator, validation's forward
+    (``--val-flip``), runs DDP's inner module (DDP's forward may talk to the other ranks, whose
+    validation shards differ in length) and DataParallel's wrapper (which splits the batch over its
+    GPUs); where the model is compiled it is compiled apart, fed batches of one size
+    (:class:`FixedBatch`), so validation compiles once too."""
     cfg = resolved(cfg, ctx)
-    state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode,
-                                tune=cfg.tune_kernels, shapes=len(training_sizes(cfg)))
-    if cfg.compile != "off" and state.evaluator is not None:
+    wrapped = distributed.wrap(state.model, ctx, **ddp_options)
+    ddp = ddp_of(wrapped)
+    state.evaluator = Evaluator(ddp.module if ddp is not None else wrapped, cfg.val_flip)
+    state.model = compile_model(wrapped, cfg.compile, ctx.mode, tune=cfg.tune_kernels,
+                                shapes=len(training_sizes(cfg)))
+    if cfg.compile != "off":
         state.evaluator = FixedBatch(compile_model(state.evaluator, cfg.compile, ctx.mode, tune=cfg.tune_kernels),
                                      micro_batch_size(cfg, ctx))
     return state
