@@ -3,7 +3,6 @@ validation (flip-averaged with --val-flip, its last short batch padded), none af
 first epoch. On a CPU, IMAGENET_COMPILE_BACKEND=eager compiles with Dynamo alone (no Inductor),
 which counts the graphs in seconds."""
 
-import dataclasses
 import json
 
 import pytest
@@ -38,7 +37,9 @@ def test_each_size_compiles_once_and_validation_once(digits, tmp_path, monkeypat
     got = rows(tmp_path)
     assert [r["image_size"] for r in got] == [8, 8, 16]
     assert [r["compiles"] for r in got] == [2, 0, 1]
+    assert all(r["val_samples"] == 80 for r in got)  # validation stays at --image-size, every image once
     out = capsys.readouterr().out
+    assert "training crops of 8 px" in out and "training crops of 16 px" in out
     assert "2 training sizes, 8, 16 px" in out and "first step at 16 px done" in out
     assert "a size already compiled" not in out
 
@@ -51,8 +52,8 @@ def test_the_recompile_limit_holds_every_size():
     saved = getattr(dynamo, name)
     try:
         setattr(dynamo, name, 8)
-        c = dataclasses.replace(Config(arch="resnet18", image_size=224, epochs=16, progressive_resize=128,
-                                       progressive_ramp="0:12", progressive_step=8, compile="default"))
+        c = Config(arch="resnet18", image_size=224, epochs=16, progressive_resize=128, progressive_ramp="0:12",
+                   progressive_step=8, compile="default")
         state = build_training(c, CPU, num_classes=3, iters_per_epoch=4)
         wrap_training(state, c, CPU)
         assert getattr(dynamo, name) >= 13 + 8

@@ -12,8 +12,7 @@ from imagenet.data.decode import TrainDecoder, path_identity
 from imagenet.data.images.folder import SafeImageFolder
 from imagenet.data.samplers import SeededSampler
 from imagenet.data.transforms import image_size_at, set_output_size, train_transform, training_sizes
-from tests.helpers import (assert_same_run, digits_fixture, interrupt_after_step, last_checkpoint, resnet18_args,
-                           tiny_run_args)
+from tests.helpers import assert_same_run, digits_fixture, interrupt_after_step, last_checkpoint, resnet18_args
 
 
 def cfg(**kw):
@@ -71,16 +70,6 @@ def test_classic_and_fast_transforms_resize():
     assert d.size == 24
 
 
-def test_a_run_records_the_size_of_each_epoch(digits, tmp_path, capsys):
-    assert main(tiny_run_args(digits, tmp_path, "--epochs", "3", "--progressive-resize", "8",
-                              "--progressive-ramp", "0:2")) == 0
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["image_size"] for r in rows] == [8, 8, 16]
-    assert all(r["val_samples"] == 80 for r in rows)  # validation stays at --image-size
-    out = capsys.readouterr().out
-    assert "training crops of 8 px" in out and "training crops of 16 px" in out
-
-
 def test_sizes_never_fall_below_the_starting_size():
     c = cfg(image_size=224, progressive_resize=130, progressive_ramp="0:10", epochs=10)
     sizes = [image_size_at(e, c) for e in range(11)]
@@ -112,16 +101,6 @@ def test_the_sizes_of_a_run_are_its_compiled_shapes():
     assert training_sizes(cfg(image_size=224, epochs=3)) == [224]
     fine = cfg(image_size=224, progressive_resize=128, progressive_ramp="0:12", epochs=16, progressive_step=8)
     assert training_sizes(fine) == list(range(128, 232, 8))  # 13 sizes: 13 compiles
-
-
-def test_dummy_data_follows_the_ramp(tmp_path):
-    """--dummy makes its one batch again at each size, so one run times the step per size."""
-    assert main(["--dummy", "-a", "resnet18", "-b", "8", "--epochs", "3", "--image-size", "24",
-                 "--progressive-resize", "8", "--progressive-step", "8", "--progressive-ramp", "0:2",
-                 "--dummy-train-size", "16", "--dummy-val-size", "8", "--dummy-classes", "4",
-                 "--output-dir", str(tmp_path)]) == 0
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["image_size"] for r in rows] == [8, 16, 24]
 
 
 def test_the_synthetic_batch_takes_each_size():

@@ -28,7 +28,7 @@ def test_a_runs_rows_and_log_read_back(tmp_path, capsys):
     assert [e["size"] for e in epochs] == [8, 16] and all(e["val_samples"] == 8 and e["val_s"] > 0 for e in epochs)
     assert all(e["ckpt"] >= 0 and e["overhead"] >= 0 and e["compiles"] is None for e in epochs)
     steps = tta.first_steps(log)
-    assert set(steps) == {0, 16} and all(s > 0 for s in steps.values())
+    assert set(steps) == {0, 16} and all(s >= 0 for s in steps.values())  # tenths of a second: 0.0 on a fast step
 
 
 def test_the_recipes_are_ffcvs_with_their_sizes():
