@@ -4,9 +4,9 @@ files, validation and checkpoints, and what FFCV's recipes (configs/resnet50-ffc
 configs/resnet18-ffcv-*.yaml) would take here, projected from them, in one call.
 
     python scripts/perf/tta.py --out DIR [--rows ROWS] [--budget SECONDS]
-    python scripts/perf/tta.py --project DIR/rows.json      # the tables again from a call's rows, no GPU
+    python scripts/perf/tta.py --project A/rows.json,B/rows.json   # the tables again from calls' rows, no GPU
 
-Each row is one process, run one after another (the GPU to itself), in the order of ``ROWS``;
+Each row is one process, run one after another (the GPU to itself), in the order of ``--rows``;
 rows that share a shape share its compiled graphs through Inductor's cache (CACHE_DIR/inductor),
 so each shape is compiled cold once a call (about 45 s for ResNet-50 on an H200) and read from
 the cache after. A ``main.py`` row reads its ``metrics.jsonl``: per epoch the size, the steady
@@ -15,7 +15,10 @@ first-step lines of its log. After each row its line is printed and ``DIR/rows.j
 so a call cut short keeps what it measured; at the end: the table of every epoch, the
 progressive run against the typed command at the same size, BlurPool's cost, and the projection
 of each recipe (training at each size from files, validation of 50,000 images and a checkpoint
-every epoch, each size's compilation once), beside FFCV's published time and hardware.
+every epoch, each size's compilation once), beside FFCV's published time and hardware. The
+default rows take about eight minutes on an H200 with 16 cores (a fresh machine: every shape
+compiled cold); --budget leaves out the rows that would start too late. DIR receives every row's
+checkpoints (hundreds of MB): give a scratch folder and keep DIR/rows.json.
 """
 
 from __future__ import annotations
@@ -283,14 +286,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/tta", help="where each row's folder and rows.json go")
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list, in order, of {', '.join(ROWS)}")
-    p.add_argument("--budget", type=float, default=480, help="seconds; a row that would start later is not run")
-    p.add_argument("--row-timeout", type=float, default=300, help="seconds one process may take")
+    p.add_argument("--budget", type=float, default=420,
+                   help="seconds; a row that would start later is not run (the longest row takes about 3 minutes)")
+    p.add_argument("--row-timeout", type=float, default=240, help="seconds one process may take")
     p.add_argument("--jpeg-per-class", type=int, default=40, help="training JPEGs a class (1,000 classes)")
     p.add_argument("--val-per-class", type=int, default=5, help="validation JPEGs a class")
-    p.add_argument("--project", metavar="ROWS_JSON", help="print the tables of an earlier call's rows.json and stop")
+    p.add_argument("--project", metavar="ROWS_JSON", help="print the tables of earlier calls' rows.json (a comma list: "
+                                                          "the rows of all, a later file's row replacing an earlier's) and stop")
     args = p.parse_args()
     if args.project:
-        print_tables(json.load(open(args.project)))
+        merged = {}
+        for path in args.project.split(","):
+            merged.update(json.load(open(path)))
+        print_tables(merged)
         return 0
     names = args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
@@ -304,7 +312,7 @@ def main() -> int:
             continue
         results[name] = run_row(name, args.out, args)
         r = results[name]
-        print(f"   {name}: exit {r['rc']} in {r['seconds']:.0f} s; "
+        print(f"   {name}: exit {r['rc']} in {r['seconds']:.0f} s ({time.time() - start:.0f} s so far); "
               + "; ".join(f"{e['size']} px {fmt(e['img_per_s'])} img/s" for e in r.get("epochs", [])), flush=True)
         with open(os.path.join(args.out, "rows.json"), "w") as fh:
             json.dump(results, fh, indent=1)
