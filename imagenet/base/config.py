@@ -481,7 +481,8 @@ def _check_input(cfg: Config) -> None:
               f"--progressive-ramp is FIRST:LAST, two epochs with FIRST < LAST <= --epochs ({cfg.epochs}), "
               f"e.g. 0:{max(1, round(0.75 * cfg.epochs))}; got {cfg.progressive_ramp!r}")
         _need(cfg.progressive_resize is not None, "--progressive-ramp needs --progressive-resize MIN_SIZE")
-    _need(cfg.progressive_step >= 1, f"--progressive-step is a number of pixels, at least 1, got {cfg.progressive_step}")
+    _need(cfg.progressive_step >= 1,
+          f"--progressive-step is a number of pixels, at least 1, got {cfg.progressive_step}")
     _need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
     _need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
     _need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")

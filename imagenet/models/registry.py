@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
+from ..base.checkpoint import read_checkpoint
 from ..base.config import ARCHS
 from ..base.errors import UserError
 from ..base.torch_private import inductor_tune_kernels, raise_recompile_limit
@@ -61,7 +62,6 @@ def model_from_checkpoint(path: str, weights: str = "state_dict") -> nn.Module:
     scores lower) with torch's own modules, its classes from the classifier's shape, and its
     ``weights`` (``state_dict_ema``: the weight average's). A plain state dict names no
     architecture and is refused: load it into the model it came from yourself."""
-    from ..base.checkpoint import read_checkpoint
     ckpt = read_checkpoint(path)
     config = ckpt.get("config")
     if not isinstance(config, dict) or weights not in ckpt:

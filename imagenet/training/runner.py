@@ -410,8 +410,9 @@ class _FirstStep:
         now = compiled_graphs()
         count, self.graphs = now - self.graphs, now
         if count and not self.new_size:
-            logger.warning("=> note: epoch %d compiled %d graph%s at %d px, a size already compiled (TORCH_LOGS=recompiles "
-                           "says which guard failed)", epoch, count, "" if count == 1 else "s", self.size)
+            logger.warning("=> note: epoch %d compiled %d graph%s at %d px, a size already compiled "
+                           "(TORCH_LOGS=recompiles says which guard failed)", epoch, count, "" if count == 1 else "s",
+                           self.size)
         return count
 
     def hook(self, inner: Optional[Callable]) -> Callable:
