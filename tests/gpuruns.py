@@ -8,7 +8,9 @@ them, so that they compile beside the tests that run before theirs.
 * ``two``: the same command as two DDP processes sharing the GPU: gloo, and SLURM's task
   variables, under which a task that sees one GPU takes ``cuda:0``;
 * ``two-fp16``: those two processes with ``--fp16``;
-* ``amp``: one process, ``--amp --compile default``, on synthetic data.
+* ``amp``: one process, ``--amp --compile default``, on synthetic data;
+* ``sizes``: one process, ``--fp16`` with the speed defaults (CUDA graphs), on synthetic data whose
+  size grows from 32 to 64 px in its last epoch (``--progressive-resize``), validated flip-averaged.
 """
 
 import json
@@ -134,4 +136,8 @@ def start(root: Path) -> Runs:
                            "--dummy-classes", "10", "-a", "resnet18", "-b", "32", "-j", "0", "--image-size", "32",
                            "--val-resize", "32", "--epochs", "1", "--amp", "--compile", "default",
                            "--output-dir", str(root / "amp")], _env())
+    children.start("sizes", [sys.executable, "main.py", "--dummy", "--dummy-train-size", "320", "--dummy-val-size",
+                             "72", "--dummy-classes", "10", "-a", "resnet18", "-b", "32", "-j", "0", "--image-size",
+                             "64", "--val-resize", "64", "--progressive-resize", "32", "--progressive-ramp", "1:2",
+                             "--epochs", "3", "--fp16", "--val-flip", "--output-dir", str(root / "sizes")], _env())
     return Runs(root, children, init)

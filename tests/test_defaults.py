@@ -98,9 +98,9 @@ def test_dataparallel_is_not_compiled_and_keeps_torchs_batchnorm():
     (["--sync-bn"], (True, "triton", "torch", "off"), "--sync-bn"),
     (["--deterministic"], (True, "triton", "torch", "off"), "--deterministic"),
     (["--accum-steps", "2"], (True, "triton", "triton", "default"), "pytorch/pytorch#169545"),
-    (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "off"), "--progressive-resize"),
     (["-e"], (True, "triton", "torch", "off"), "-e "),
     (["--small-stem"], (True, "torch", "triton", "reduce-overhead"), None),
+    (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "reduce-overhead"), None),
 ])
 def test_each_case_that_cannot_take_the_whole_fast_path(flags, expect, reason):
     plan = plan_of(["DIR", "--fp16", *flags], DDP)

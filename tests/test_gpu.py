@@ -294,3 +294,40 @@ def test_cuda_graph_compiled_training_follows_eager_training(mode):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(graph_rm.float(), eager_rm.float(), rtol=2e-2, atol=2e-3)
     assert graph_l[4] < graph_l[0]  # and it learns (the same batch, four steps later)
+
+
+@cuda
+def test_compiled_validation_between_training_sizes_matches_eager():
+    """Under --compile reduce-overhead the training model takes two sizes (a CUDA graph each)
+    and validation, in between and after, its own compiled, flip-averaged graph, its short last
+    batch padded: the validation logits are eager's within fp16's rounding, the running
+    statistics the training graphs mutate are the ones validation reads, and three graphs were
+    compiled in all (two training sizes, one validation), none again on the way back."""
+    from imagenet.base.torch_private import compiled_graphs
+    from imagenet.models.evaluation import Evaluator, FixedBatch
+    from imagenet.models.registry import compile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).cuda().half()
+    model.to(memory_format=torch.channels_last)
+    train = compile_model(model, "reduce-overhead", "gpu", shapes=2)
+    evaluate = FixedBatch(compile_model(Evaluator(model, flip=True), "reduce-overhead", "gpu"), 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    val = torch.randn(40, 3, 24, 24, device="cuda").half().contiguous(memory_format=torch.channels_last)
+    before = compiled_graphs()
+    for size in (16, 32, 16):
+        model.train()
+        for _ in range(3):
+            x = torch.randn(16, 3, size, size, device="cuda").half().contiguous(memory_format=torch.channels_last)
+            loss = nn.functional.cross_entropy(train(x).float(), torch.randint(0, 10, (16,), device="cuda"))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            got = torch.cat([evaluate(val[i:i + 16]).float().clone() for i in range(0, 40, 16)])
+            want = Evaluator(model, flip=True)(val).float()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert compiled_graphs() - before == 3

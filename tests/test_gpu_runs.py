@@ -11,6 +11,7 @@ the all-reduce moved the loss by 3% and the weights' updates by 135%, and gradie
 of averaged by 3% and 163%.
 """
 
+import json
 import math
 import re
 
@@ -74,3 +75,18 @@ def test_mixed_precision_trains_with_the_kernels_under_compile_default(training_
     assert "=> compile: torch.compile default" in out
     row = training_runs.row("amp")
     assert row["steps"] == 3 and math.isfinite(row["train_loss"]) and row["val_samples"] == 32, row
+
+
+def test_progressive_resizing_compiles_each_size_once_under_cuda_graphs(training_runs):
+    """The speed defaults with --progressive-resize: CUDA graphs, a graph per training size and
+    one for the flip-averaged validation (72 images, its last batch of 8 padded to 32), none in the
+    epoch that repeats a size."""
+    out = training_runs.output("sizes")
+    assert "=> default: torch.compile with CUDA graphs (reduce-overhead)" in out
+    assert "2 training sizes, 32, 64 px" in out and "first step at 64 px done" in out
+    rows = [json.loads(line) for line in open(training_runs.root / "sizes" / "metrics.jsonl")]
+    assert [r["image_size"] for r in rows] == [32, 32, 64], rows
+    compiles = [r["compiles"] for r in rows]
+    assert compiles[0] >= 2 and compiles[1] == 0 and compiles[2] >= 1, compiles
+    assert all(math.isfinite(r["train_loss"]) and r["val_samples"] == 72 for r in rows), rows
+    assert "a size already compiled" not in out

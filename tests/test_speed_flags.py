@@ -34,14 +34,14 @@ def test_compiled_training_checkpoints_plain_weights_and_validates(fp16_digits, 
 
     monkeypatch.setattr(torch, "compile", recording_compile)
     assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "1", "--compile", "reduce-overhead")) == 0
-    assert modes == ["reduce-overhead"]
+    assert modes == ["reduce-overhead"] * 2  # the training model, and validation's evaluator apart
     ckpt = last_checkpoint(tmp_path)
     assert not any(k.startswith(("_orig_mod", "module")) for k in ckpt["state_dict"])
     torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt["state_dict"])
     row = json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])
     assert row["val_samples"] == 10
     assert main(fp16_run_args(fp16_digits, tmp_path, "--epochs", "2", "--compile", "default", "--resume", "auto")) == 0
-    assert modes == ["reduce-overhead", None]
+    assert modes == ["reduce-overhead"] * 2 + [None] * 2
 
 
 def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_path, monkeypatch, capsys):
@@ -60,7 +60,7 @@ def test_tune_kernels_turns_on_inductors_tuning_before_compiling(digits, tmp_pat
         assert main(tiny_run_args(digits, tmp_path, "--epochs", "1", "--compile", "default", "--tune-kernels")) == 0
     finally:
         inductor.coordinate_descent_tuning = before
-    assert seen == [True]
+    assert seen == [True, True]
     kernels = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> kernels:")]
     assert len(kernels) == 1 and "Inductor tunes its kernels" in kernels[0]  # on a GPU, after the Triton kernels
 

@@ -139,7 +139,7 @@ def test_bench_builds_the_step_through_the_trainers_wiring(monkeypatch):
     monkeypatch.setattr(bench, "build_training", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     ns = dict(arch="resnet18", batch_size=4, image_size=16, optimizer_impl="foreach", compile="off",
               no_cudnn_benchmark=False, num_classes=3, ddp_bucket_mb=0, ddp_bucket_view=False, dp_impl="persistent",
-              tune_kernels=False, maxpool_kernel="auto", bn_kernel="torch", optimizer="lars")
+              tune_kernels=False, maxpool_kernel="auto", bn_kernel="torch", optimizer="lars", blurpool=False)
     step = bench.build_step(type("Args", (), ns)(), "fp16", False, CPU)
     step(torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0]))
     (state,) = built

@@ -129,3 +129,36 @@ def test_shutdown_workers_ends_a_loaders_persistent_workers():
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]  # a later epoch starts new ones
     tp.shutdown_workers(loader)
     tp.shutdown_workers(DataLoader(list(range(4))))  # no workers: nothing to do
+
+
+def _compiled(fn):
+    """``fn`` compiled for static shapes by Dynamo alone (no Inductor: fast on a CPU). Dynamo keeps
+    its graphs per code object: each test passes a function of its own."""
+    return torch.compile(fn, backend="eager", dynamic=False)
+
+
+def test_compiled_graphs_counts_each_new_shape_once():
+    fn, before = _compiled(lambda x: x * x), tp.compiled_graphs()
+    fn(torch.ones(2))
+    fn(torch.ones(3))
+    assert tp.compiled_graphs() - before == 2, 'torch._dynamo.utils.counters["stats"]["unique_graphs"] no longer counts'
+    fn(torch.ones(2))
+    assert tp.compiled_graphs() - before == 2, 'counters["stats"]["unique_graphs"] counts a shape compiled before'
+
+
+def test_raise_recompile_limit_lets_dynamo_compile_every_shape():
+    import torch._dynamo.config as dynamo
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    assert hasattr(dynamo, name), "torch._dynamo.config has neither recompile_limit nor cache_size_limit"
+    saved = getattr(dynamo, name)
+    try:
+        setattr(dynamo, name, 2)
+        assert tp.raise_recompile_limit(5) == 5 and tp.raise_recompile_limit(3) == 5  # never lowered
+        fn, before = _compiled(lambda x: x + 1), tp.compiled_graphs()
+        for n in range(1, 6):
+            fn(torch.ones(n))
+        assert tp.compiled_graphs() - before == 5, f"torch._dynamo.config.{name} no longer bounds the graphs"
+        fn(torch.ones(6))  # the sixth shape is past the limit: Dynamo runs it uncompiled
+        assert tp.compiled_graphs() - before == 5, f"torch._dynamo.config.{name} is no longer the limit"
+    finally:
+        setattr(dynamo, name, saved)

@@ -47,8 +47,10 @@ class Config:
     val_resize: Optional[int] = None  # validation images are resized to this (shorter side), then center-cropped;
     #                                    default 256, or with --pretrained the weights' own (232 for V2 weights)
     val_crop: Optional[int] = None  # validation crop if not --image-size: train low-res, test at 224
+    val_flip: bool = False  # validation averages the logits of each image and its left-right mirror
     progressive_resize: Optional[int] = None  # train at this many px first, growing to --image-size
     progressive_ramp: Optional[str] = None  # "FIRST:LAST" epochs of that growth (default 0:3/4 of --epochs)
+    progressive_step: int = 32  # px the ramp's sizes are rounded to (each size compiles once under --compile)
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound (fraction of the image)
     hflip: float = 0.5  # probability of a horizontal flip in training
     auto_augment: str = "none"  # none | randaugment | trivialaugment | autoaugment (torchvision's)
@@ -71,6 +73,7 @@ class Config:
     # -- model ------------------------------------------------------------------------------
     arch: str = "resnet18"
     small_stem: bool = False  # 3x3 stride-1 first conv and no max-pool, for low-resolution images
+    blurpool: bool = False  # a 3x3 binomial blur before each strided convolution of >= 16 input channels (FFCV's)
     pretrained: Optional[str] = None  # torchvision ImageNet weights by name (DEFAULT, IMAGENET1K_V1, ...), from
     #                                   the local torch hub cache only; --pretrained alone: DEFAULT
     weights: Optional[str] = None  # a state dict or one of our checkpoints to start from
@@ -488,7 +491,6 @@ def _check_input(cfg: Config) -> None:
         _need(8 <= cfg.progressive_resize < cfg.image_size,
               f"--progressive-resize is the starting training crop, from 8 px to below --image-size "
               f"({cfg.image_size}), got {cfg.progressive_resize}")
-        _need(not cfg.dummy, "--progressive-resize needs image files: --dummy images have one fixed size")
     if cfg.progressive_ramp is not None:
         parts = cfg.progressive_ramp.split(":")
         ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
@@ -496,6 +498,8 @@ def _check_input(cfg: Config) -> None:
               f"--progressive-ramp is FIRST:LAST, two epochs with FIRST < LAST <= --epochs ({cfg.epochs}), "
               f"e.g. 0:{max(1, round(0.75 * cfg.epochs))}; got {cfg.progressive_ramp!r}")
         _need(cfg.progressive_resize is not None, "--progressive-ramp needs --progressive-resize MIN_SIZE")
+    _need(cfg.progressive_step >= 1,
+          f"--progressive-step is a number of pixels, at least 1, got {cfg.progressive_step}")
     _need(0 < cfg.min_crop_scale <= 1, f"--min-crop-scale must be in (0, 1], got {cfg.min_crop_scale}")
     _need(0 <= cfg.hflip <= 1, f"--hflip must be a probability in [0, 1], got {cfg.hflip}")
     _need(0 <= cfg.max_bad_fraction <= 1, f"--max-bad-fraction must be in [0, 1], got {cfg.max_bad_fraction}")

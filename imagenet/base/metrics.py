@@ -138,6 +138,7 @@ class EpochRecord:
     # --target-acc: in the row of the epoch whose validation first reached it, run_seconds again
     # (MLPerf's time to train); absent from every other row
     seconds_to_target: Optional[float] = None
+    val_seconds: float = 0.0  # the epoch's validation (and the weight average's), compiling included
     # --model-ema: the weight average, validated on the same images
     val_loss_ema: Optional[float] = None
     val_acc1_ema: Optional[float] = None
@@ -148,9 +149,12 @@ class EpochRecord:
     # --decode gpu: milliseconds per training batch in each stage of the input path, this
     # process's (imagenet.data.gpu.account), and "batches", how many it covers
     input_stages: Optional[dict] = None
+    # --compile: graphs torch.compile compiled in the epoch, training and validation (0 once every
+    # shape of it was compiled in an earlier epoch)
+    compiles: Optional[int] = None
 
     OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages",
-                "seconds_to_target")
+                "seconds_to_target", "compiles")
 
     def to_dict(self) -> dict:
         """The JSON row: every key, less the optional ones this run does not produce."""

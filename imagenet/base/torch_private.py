@@ -19,6 +19,10 @@ names the attribute that moved.
 * :func:`shared_bytes` -- ``torch.UntypedStorage._new_shared``, a tensor made in shared memory.
 * :func:`shutdown_workers` -- ``DataLoader._iterator`` (what keeps persistent workers) and its
   ``_shutdown_workers()``.
+* :func:`raise_recompile_limit` -- ``torch._dynamo.config.recompile_limit`` (``cache_size_limit``
+  before torch 2.7), the graphs Dynamo keeps per function before it stops compiling it.
+* :func:`compiled_graphs` -- ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, the
+  graphs Dynamo has compiled in this process.
 """
 
 from __future__ import annotations
@@ -108,3 +112,21 @@ def shared_bytes(n: int) -> torch.Tensor:
     worker's batch crosses to the training process by file descriptor, not copied.
     ``tensor.share_memory_()`` would copy the (uninitialised) bytes in once more."""
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
+
+
+def raise_recompile_limit(graphs: int) -> int:
+    """Let Dynamo keep at least ``graphs`` compiled graphs per function (this process) before it
+    gives up on the function and runs it uncompiled (torch's default: 8); never lowers the
+    limit. Returns the limit in effect."""
+    import torch._dynamo.config as dynamo
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    if getattr(dynamo, name) < graphs:
+        setattr(dynamo, name, graphs)
+    return getattr(dynamo, name)
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (each new shape's, each part of a
+    graph broken in two); a difference of two readings is what was compiled between them."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils.data import Dataset
 
@@ -19,10 +21,11 @@ class SyntheticDataset(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def batch(self, n: int, device: torch.device, channels_last: bool) -> tuple:
-        """Images and labels of samples 0..n-1, on ``device``."""
+    def batch(self, n: int, device: torch.device, channels_last: bool, size: Optional[int] = None) -> tuple:
+        """Images (``size`` px, default the dataset's) and labels of samples 0..n-1, on ``device``."""
         g = torch.Generator().manual_seed(self.seed)
-        protos = torch.randn(min(self.num_classes, 64), 3, self.image_size, self.image_size, generator=g)
+        size = size or self.image_size
+        protos = torch.randn(min(self.num_classes, 64), 3, size, size, generator=g)
         index = torch.arange(n)
         images = protos[index % len(protos)].to(device)
         if channels_last:
@@ -43,10 +46,16 @@ class SyntheticLoader:
         self.batch_size = batch
         self.batches = samples // batch if drop_last else -(-samples // batch)
         self.last = batch if drop_last else samples - (self.batches - 1) * batch
+        self.dataset, self.device, self.channels_last = dataset, device, channels_last
         self.images, self.targets = dataset.batch(min(batch, samples) or 1, device, channels_last)
-        self.sampler = self  # the runner's per-epoch calls (set_epoch, set_start) land here;
-        #                      --progressive-resize, its only set_image_size caller, refuses --dummy
+        self.sampler = self  # the runner's per-epoch calls (set_epoch, set_start, set_image_size) land here
         self.start = 0
+
+    def set_image_size(self, size: int) -> None:
+        """``--progressive-resize``: the batch made again at ``size`` px (once a size change, on the
+        device), so one ``--dummy`` run times the step at each size of the ramp."""
+        if self.images.shape[-1] != size:
+            self.images, self.targets = self.dataset.batch(len(self.targets), self.device, self.channels_last, size)
 
     def set_epoch(self, epoch: int) -> None:
         self.start = 0

@@ -30,8 +30,11 @@ def set_output_size(transform, size: int) -> None:
 
 
 def image_size_at(epoch: int, cfg) -> int:
-    """The training crop of ``epoch``: --image-size, or under --progressive-resize MIN a linear ramp
-    from MIN (until the ramp's first epoch) to --image-size (from its last), in steps of 8 px."""
+    """The training crop of ``epoch``: --image-size, or under --progressive-resize MIN: MIN until
+    the ramp's first epoch, --image-size from its last, and between them the straight line from
+    one to the other rounded to the nearest multiple of --progressive-step px (kept within
+    [MIN, --image-size]). The line and the rounding are FFCV's (``np.interp``, then ``np.round``,
+    which rounds halves to even, as Python's ``round`` does), so its recipes' ramps give its sizes."""
     start = cfg.progressive_resize
     if not start:
         return cfg.image_size
@@ -40,8 +43,15 @@ def image_size_at(epoch: int, cfg) -> int:
         return start
     if epoch >= last:
         return cfg.image_size
-    size = start + (cfg.image_size - start) * (epoch - first) / (last - first)
-    return max(start, int(size // 8 * 8))
+    slope = (cfg.image_size - start) / (last - first)
+    size = slope * (epoch - first) + start  # in np.interp's order of operations: the same float
+    step = cfg.progressive_step
+    return min(max(int(round(size / step)) * step, start), cfg.image_size)
+
+
+def training_sizes(cfg) -> list:
+    """Every training crop size of the run, smallest first (one per compiled training graph)."""
+    return sorted({image_size_at(epoch, cfg) for epoch in range(cfg.epochs)})
 
 
 def progressive_ramp(cfg) -> tuple:

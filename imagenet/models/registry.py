@@ -11,27 +11,30 @@ import torch
 import torch.nn as nn
 import torchvision
 
+from ..base.checkpoint import read_checkpoint
 from ..base.config import ARCHS
 from ..base.errors import UserError
-from ..base.torch_private import inductor_tune_kernels
+from ..base.torch_private import inductor_tune_kernels, raise_recompile_limit
 from ..base.wrappers import strip_prefix, unwrap
 from ..kernels import convstats
 from ..kernels.compiles import available as kernels_available
 from ..kernels.bnlaunch import LAUNCH, LAUNCH_ENV, launch_override
 from ..kernels.maxpool import StemMaxPool, is_stem_pool
 from .fusedresnet import fuse_resnet, uses_bn_kernels, uses_conv_stats
+from .blurpool import add_blur, uses_blur
 from .stem import pad_stem
 
 logger = logging.getLogger(__name__)
 
 
 def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_kernels: bool = False,
-                 bn_kernels: bool = False, stats_in_conv: bool = False) -> nn.Module:
+                 bn_kernels: bool = False, stats_in_conv: bool = False, blurpool: bool = False) -> nn.Module:
     """A freshly initialised ResNet-family model with ``num_classes`` outputs; ``stem_kernels``:
     its max-pool computed by :mod:`imagenet.kernels.maxpool`'s kernels, ``bn_kernels``: its BatchNorms
     with their adds and ReLUs by :mod:`imagenet.kernels.fusedbn`'s (:mod:`.fusedresnet`), ``stats_in_conv``: their
-    statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`); the same state
-    dict either way."""
+    statistics by the convolutions before them (:mod:`imagenet.kernels.convstats`; not those of
+    blurred convolutions, which take the Triton pass); ``blurpool``: FFCV's blur before each
+    strided convolution (:mod:`.blurpool`). The same state dict every way."""
     if arch not in ARCHS:
         raise UserError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
@@ -46,6 +49,8 @@ def create_model(arch: str, num_classes: int, small_stem: bool = False, stem_ker
         pad_stem(model)  # the convolution cuDNN pads to 4 channels itself, padded once (models/stem.py)
         if stem_kernels and is_stem_pool(model.maxpool):
             model.maxpool = StemMaxPool()
+    if blurpool:
+        add_blur(model)
     if bn_kernels:
         fuse_resnet(model, stats_in_conv)
     return model
@@ -56,6 +61,30 @@ def has_grouped_convolutions(arch: str) -> bool:
     :func:`imagenet.kernels.convstats.applies` leaves to torch's convolution, their BatchNorms to
     the Triton statistics (``--bn-kernel cudnn``)."""
     return arch.startswith("resnext")
+
+
+def model_from_checkpoint(path: str, weights: str = "state_dict") -> nn.Module:
+    """The model of one of this trainer's checkpoints, on the CPU in float32, in evaluation mode:
+    the architecture its resolved config names (``-a``, ``--small-stem``, ``--blurpool``: a
+    ``--blurpool`` model's weights load into a plain torchvision model too, but without the blur it
+    scores lower) with torch's own modules, its classes from the classifier's shape, and its
+    ``weights`` (``state_dict_ema``: the weight average's). A plain state dict names no
+    architecture and is refused: load it into the model it came from yourself."""
+    ckpt = read_checkpoint(path)
+    config = ckpt.get("config")
+    if not isinstance(config, dict) or weights not in ckpt:
+        raise UserError(f"{path} is no checkpoint of this trainer with {weights!r} (a plain state dict names no "
+                        "architecture): load it into torchvision's model yourself")
+    state = strip_prefix(ckpt[weights])
+    model = create_model(ckpt.get("arch", config.get("arch")), int(state["fc.weight"].shape[0]),
+                         small_stem=bool(config.get("small_stem")), blurpool=bool(config.get("blurpool")))
+    load_weights_into(model, state, path)
+    return model.float().eval()
+
+
+def has_blur(model: nn.Module) -> bool:
+    """Whether the (possibly wrapped) model blurs before its strided convolutions (``--blurpool``)."""
+    return uses_blur(unwrap(model))
 
 
 def has_stem_kernels(model: nn.Module) -> bool:
@@ -210,7 +239,11 @@ def pretrained_state_dict(weights: PretrainedWeights) -> dict:
                         "delete the file and copy it again")
 
 
-def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False) -> nn.Module:
+COMPILE_BACKEND_ENV = "IMAGENET_COMPILE_BACKEND"  # a torch.compile backend instead of Inductor (tests: eager)
+DYNAMO_GRAPHS = 8  # torch's own recompile limit: graphs per function beside the ones a run plans for
+
+
+def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False, shapes: int = 1) -> nn.Module:
     """``torch.compile`` the (wrapped) training model unless ``mode`` is ``off``.
 
     Under DDP the DDP wrapper itself is compiled, so the graph is split at gradient-bucket
@@ -223,8 +256,14 @@ def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False
     did, instead of Dynamo's automatic switch to a graph with a symbolic batch size. On an H200 a
     16 px ResNet-18 (1x1 last feature maps) compiled fresh trained, while such a second compile
     in one process failed Inductor's stride check on a convolution's weight gradient.
+    ``shapes``: the input shapes the run plans to compile (``--progressive-resize``'s sizes):
+    Dynamo's limit of graphs per function is raised to hold them and torch's own 8 besides,
+    since past it Dynamo would run the model uncompiled for good (pytorch/pytorch#139474).
     ``tune`` (``--tune-kernels``): Inductor tunes every generated kernel's block sizes and warps by
     coordinate descent, timing them on the first steps (minutes, cached on disk for later runs).
+    ``IMAGENET_COMPILE_BACKEND`` (e.g. ``eager``, ``aot_eager``) compiles with that backend instead
+    of Inductor, ``mode`` aside: Dynamo's capture and guards without Inductor's code generation,
+    which is how the CPU tests count graphs in seconds.
     """
     if mode == "off":
         return model
@@ -233,6 +272,10 @@ def compile_model(model: nn.Module, mode: str, parallel: str, tune: bool = False
                         "python -m multiproc main.py ... --compile " + mode)
     if not hasattr(torch, "compile"):
         raise UserError(f"--compile needs torch >= 2.0; this is torch {torch.__version__}: drop --compile")
+    raise_recompile_limit(shapes + DYNAMO_GRAPHS)
+    backend = os.environ.get(COMPILE_BACKEND_ENV)
+    if backend:
+        return torch.compile(model, backend=backend, dynamic=False)
     if tune:
         inductor_tune_kernels()
     return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)

@@ -146,8 +146,6 @@ def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
         return "--deterministic runs torch's own deterministic kernels, uncompiled"
     if cfg.sync_bn:
         return "--sync-bn's collectives inside the forward pass run uncompiled"
-    if cfg.progressive_resize:
-        return "--progressive-resize changes the input shape every few epochs, and each shape would compile again"
     return None
 
 

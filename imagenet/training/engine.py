@@ -465,13 +465,16 @@ class NonfiniteWatch:
 
 @torch.no_grad()
 def validate(*, model: nn.Module, loader, criterion: nn.Module, precision, ctx: DistContext,
-             opts: LoopOptions, name: str = "") -> ValResult:
-    """Evaluate every validation image once (each rank its shard); sums are reduced exactly."""
+             opts: LoopOptions, name: str = "", forward: Optional[Callable] = None) -> ValResult:
+    """Evaluate every validation image once (each rank its shard); sums are reduced exactly.
+    ``forward``: what makes a batch's logits from ``model`` in evaluation mode (the training
+    state's ``evaluator``: flip averaging, compiled); default ``model`` itself."""
     # DDP's forward may talk to other ranks; shards differ in length, so evaluate the inner model
     # (the eager one when the DDP wrapper was compiled).
     ddp = ddp_of(model)
     net = ddp.module if ddp is not None else model
     net.eval()
+    logits = forward if forward is not None else net
     sums = DeviceSums(ctx.device)
     batch_time = AverageMeter()
     skipped_paths: list = []
@@ -484,7 +487,7 @@ def validate(*, model: nn.Module, loader, criterion: nn.Module, precision, ctx: 
         skipped_paths += bad
         if targets.numel() == 0:
             continue
-        output = precision.forward(net, images)
+        output = precision.forward(logits, images)
         loss = criterion(output, targets)
         sums.add(loss, output, targets)
         batch_time.update(time.perf_counter() - end)

@@ -74,6 +74,11 @@ def _check_same_run(ckpt: dict, weights: dict, path: str, cfg, num_classes: int)
     arch = ckpt.get("arch", cfg.arch)
     if arch != cfg.arch:
         raise UserError(f"{path} was trained as {arch}, not -a {cfg.arch}; pass -a {arch} to resume it")
+    blurred = (ckpt.get("config") or {}).get("blurpool", False)
+    if bool(blurred) != cfg.blurpool:
+        fix = f"{'add' if blurred else 'drop'} --blurpool to {'evaluate' if cfg.evaluate else 'resume'} it"
+        raise UserError(f"{path} was trained {'with' if blurred else 'without'} --blurpool, which its weights do not "
+                        f"show; {fix} (the blur is part of the model)")
     saved_classes = ckpt.get("num_classes")
     if saved_classes is not None and int(saved_classes) != num_classes:
         raise UserError(f"{path} was trained on {saved_classes} classes, this dataset has {num_classes}; "

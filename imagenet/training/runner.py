@@ -30,12 +30,14 @@ from ..base.errors import UserError, user_error
 from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.processenv import ProcessEnv, set_process_env
-from ..base.torch_private import set_last_lr
+from ..base.torch_private import compiled_graphs, set_last_lr
 from ..base.wrappers import uncompiled
 from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
-from ..data.transforms import ValGeometry, image_size_at, val_geometry
-from ..models.registry import has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict, pretrained_weights
+from ..data.transforms import ValGeometry, image_size_at, progressive_ramp, training_sizes, val_geometry
+from ..models.evaluation import Evaluator
+from ..models.registry import (has_blur, has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict,
+                               pretrained_weights)
 from ..parallel import distributed
 from ..parallel.preemption import Preempted, StopRequest
 from ..parallel.spawn import spawn_per_gpu
@@ -143,7 +145,8 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
         logger.info("=> note: -j %d asks for more data workers than the %d CPU core%s this process may use: all %d "
                     "run, taking turns on %s (-j %d or fewer gives each a core of its own)", cfg.workers, cpus,
                     "" if cpus == 1 else "s", cfg.workers, "it" if cpus == 1 else "them", cpus)
-    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, " (small stem)" if cfg.small_stem else "",
+    logger.info("=> model: %s%s, %.1fM parameters, %s%s", cfg.arch, (" (small stem)" if cfg.small_stem else "") +
+                (" with BlurPool (a blur before each strided convolution)" if has_blur(state.model) else ""),
                 n_params / 1e6, "channels_last" if cfg.channels_last else "contiguous",
                 f"; from torchvision's {weights.name} weights ({weights.acc1:.3f}% ImageNet Acc@1 published)"
                 if weights is not None else "")
@@ -171,6 +174,13 @@ def _banner(cfg: Config, ctx, data: DataBundle, state: TrainState, source: str, 
         if cfg.prof > 0:
             logger.info("=> note: --prof %d times a few steps, and most of this run's time is compiling; "
                         "--compile off profiles the eager model", cfg.prof)
+    if cfg.progressive_resize:
+        sizes, (ramp_first, ramp_last) = training_sizes(cfg), progressive_ramp(cfg)
+        logger.info("=> progressive resize: %d training size%s, %s px (from epoch %d to %d, in steps of "
+                    "--progressive-step %d px)%s", len(sizes), "" if len(sizes) == 1 else "s",
+                    ", ".join(map(str, sizes)), ramp_first, ramp_last, cfg.progressive_step,
+                    f"; torch.compile compiles a graph for each, at its first step, and one for validation at "
+                    f"{val.crop} px" if cfg.compile != "off" else "")
     if ctx.device.type == "cpu" and cfg.precision_name in ("fp16", "amp-fp16"):
         # Measured on a 2-core x86 CPU, ResNet-18 at 64 px: fp32 0.12 s a step, --fp16 4.5 s,
         # --amp float16 4.5 s, --amp bfloat16 0.10 s.
@@ -267,7 +277,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
                        cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
     if cfg.evaluate:
         return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
-                        precision=state.precision, ctx=ctx, opts=opts).to_dict()
+                        precision=state.precision, ctx=ctx, opts=opts, forward=state.evaluator).to_dict()
     with StopRequest(ctx) as stop, RunLog(cfg, ctx, requested, environment=plan.environment) as log:
         return _epochs(cfg, ctx, start, opts, stop, log, started)
 
@@ -356,6 +366,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         # that step in an earlier process, at the rate the schedule gives there
         lr_start = state.lr if progress.step == 0 else _scheduled_lrs(state.scheduler, epoch * start.iters)[0]
         size = _begin_epoch(cfg, ctx, start.train_loader, progress, first=epochs_run == 0)
+        first.begin(size)
         train = train_one_epoch(state=state, progress=progress, loader=start.train_loader, ctx=ctx, opts=opts,
                                 stop=stop.should_stop,
                                 on_step=first.hook(saver.step_hook(state, progress, start.iters * cfg.accum_steps)))
@@ -364,26 +375,29 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums, skipped), stop)
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
+        val_start = time.perf_counter()
         if validates(cfg, epoch):
             val, averaged, decoded = _validate(cfg, ctx, start, state, opts)
         else:
             val, averaged, decoded = not_validated(), {}, _decode_counts(cfg, ctx, start.train_loader, start.val_loader)
+        val_seconds = time.perf_counter() - val_start
         seconds = clock.seconds()  # the clock at the end of the validation (MLPerf's stops there)
         target = (epoch, seconds) if reached(cfg, val.acc1) else None
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val), before=progress)
         is_best = saver.is_best(val.acc1, progress)
+        compiles = first.compiles(epoch)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
             train_acc5=train.acc5, train_samples=train.samples, steps=train.steps, skipped_steps=train.skipped_steps,
             img_per_s=train.img_per_s, data_wait_frac=train.data_wait_frac, train_seconds=train.seconds,
-            val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples,
+            val_loss=val.loss, val_acc1=val.acc1, val_acc5=val.acc5, val_samples=val.samples, val_seconds=val_seconds,
             epoch_seconds=time.perf_counter() - epoch_start, skipped_images=skipped,
             loss_scale=state.precision.loss_scale, skipped_steps_total=state.precision.skipped_steps,
             best_acc1=progress.best_after(val.acc1), precision=state.precision.name, mode=ctx.mode,
             image_size=size, world_size=ctx.world_size, restarts=ctx.restart_count, run_seconds=seconds,
-            seconds_to_target=seconds if target else None, input_stages=stages or None, **averaged,
-            **decoded).to_dict()
+            seconds_to_target=seconds if target else None, input_stages=stages or None, compiles=compiles,
+            **averaged, **decoded).to_dict()
         progress = progress.next_epoch(val.acc1, record)
         steady, epochs_run, last = steady + train.steady, epochs_run + 1, record
         saver.save(state, progress, is_best)  # first: a metrics line never describes an epoch the checkpoint lacks
@@ -395,25 +409,52 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
 
 
 class _FirstStep:
-    """Says once how long the run waited for its first optimizer step: start-up, the loaders'
-    first batch, cuDNN's search and, under --compile, the compilation (which a second run of
-    the same command reads from its cache)."""
+    """Says how long the run waited for its first optimizer step (start-up, the loaders' first
+    batch, cuDNN's search and, under --compile, the compilation, which a second run of the same
+    command reads from its cache), and for the first step at each later training size
+    (--progressive-resize: that size's compilation and cuDNN search); counts the graphs
+    torch.compile compiled in each epoch (training and validation)."""
 
     def __init__(self, started: float, ctx, compile_mode: str, clock: Optional[RunClock] = None):
         self.started, self.ctx, self.compile_mode, self.clock = started, ctx, compile_mode, clock
         self.seconds: Optional[float] = None
+        self.size, self.epoch_started, self.sizes_done, self.new_size = 0, started, set(), True
+        self.graphs = compiled_graphs() if compile_mode != "off" else None
+
+    def begin(self, size: int) -> None:
+        """An epoch at ``size`` px starts."""
+        self.size, self.epoch_started, self.new_size = size, time.perf_counter(), size not in self.sizes_done
+
+    def compiles(self, epoch: int) -> Optional[int]:
+        """Graphs torch.compile compiled since the last call, the epoch's (None: not compiled);
+        a line where an epoch compiled at a size an earlier one had compiled for."""
+        if self.graphs is None:
+            return None
+        now = compiled_graphs()
+        count, self.graphs = now - self.graphs, now
+        if count and not self.new_size:
+            logger.warning("=> note: epoch %d compiled %d graph%s at %d px, a size already compiled "
+                           "(TORCH_LOGS=recompiles says which guard failed)", epoch, count, "" if count == 1 else "s",
+                           self.size)
+        return count
 
     def hook(self, inner: Optional[Callable]) -> Callable:
-        """The training loop's ``on_step``: ``inner``'s, timing the first step first."""
+        """The training loop's ``on_step``: ``inner``'s, timing the first step at each size first."""
         def on_step(done: int, so_far: Callable) -> None:
-            if self.seconds is None:
+            if self.size not in self.sizes_done:
+                self.sizes_done.add(self.size)
                 if self.ctx.device.type == "cuda":
-                    torch.cuda.synchronize(self.ctx.device)  # once a run: the step's work done, not queued
-                self.seconds = time.perf_counter() - self.started
-                logger.info("=> first step done %.1f s after start%s", self.seconds,
-                            f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else "")
-                if self.clock is not None:
-                    self.clock.start()
+                    torch.cuda.synchronize(self.ctx.device)  # once a size: the step's work done, not queued
+                now = time.perf_counter()
+                compiled = f" (torch.compile {self.compile_mode} included)" if self.compile_mode != "off" else ""
+                if self.seconds is None:
+                    self.seconds = now - self.started
+                    logger.info("=> first step done %.1f s after start%s", self.seconds, compiled)
+                    if self.clock is not None:
+                        self.clock.start()
+                else:
+                    logger.info("=> first step at %d px done %.1f s after the epoch's start%s", self.size,
+                                now - self.epoch_started, compiled)
             if inner is not None:
                 inner(done, so_far)
         return on_step
@@ -440,17 +481,16 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     """The epoch's validation: its result, the weight average's metrics (``*_ema`` columns) and
     the images decoded on and off the GPU (``--decode gpu``)."""
     # Under DDP the ranks' BatchNorm statistics were averaged after the epoch's last step
-    # (engine._average_statistics): every rank scores the model rank 0 saves.
-    # The model runs uncompiled here: evaluation is a tenth of an epoch's work, and compiling its
-    # graph (a second graph, the last partial batch a third shape) would add a start-up wait of its own.
+    # (engine._average_statistics): every rank scores the model rank 0 saves. The evaluator is
+    # compiled where the training model is, with graphs of its own (state.wrap_training).
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
-                   precision=state.precision, ctx=ctx, opts=opts)
+                   precision=state.precision, ctx=ctx, opts=opts, forward=state.evaluator)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
     if state.ema is None:
         return val, {}, decoded
-    # the average is an fp32 model: evaluate it in fp32
+    # the average is an fp32 model: evaluate it in fp32 (uncompiled: a graph of its own would be one more wait)
     ema = validate(model=state.ema.model, loader=start.val_loader, criterion=state.criterion, precision=Precision(),
-                   ctx=ctx, opts=opts, name="weight average")
+                   ctx=ctx, opts=opts, name="weight average", forward=Evaluator(state.ema.model, cfg.val_flip))
     # The same images again: their decodes and unreadable files were counted once, above.
     start.val_loader.decode_counts()
     return val, {"val_loss_ema": ema.loss, "val_acc1_ema": ema.acc1, "val_acc5_ema": ema.acc5}, decoded

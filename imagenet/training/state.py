@@ -16,14 +16,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..base.errors import UserError
 from ..base.metrics import means
+from ..base.wrappers import ddp_of
+from ..data.loaders import micro_batch_size
 from ..data.mixing import BatchMixer
+from ..data.transforms import training_sizes
+from ..models.evaluation import Evaluator, FixedBatch
 from ..models.registry import (compile_model, create_model, load_weights_into, use_bn_kernels, use_conv_stats,
                                use_stem_kernels)
 from ..parallel import distributed
@@ -42,7 +46,10 @@ class TrainState:
     :func:`wrap_training`, inside its DP/DDP/compile wrappers; ``precision`` reads and writes
     its float32 weights through them. ``criterion`` is the validation loss (with the label
     smoothing); ``train_criterion`` the training loss (plain cross entropy when ``mixer`` makes
-    soft labels, which carry the smoothing)."""
+    soft labels, which carry the smoothing). ``evaluator`` computes validation's logits from the
+    same network (``--val-flip``'s mean over a mirror), made by :func:`wrap_training` (compiled
+    apart from the training model where that one is): what :func:`engine.validate` runs; None
+    before (validation then runs the model itself)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -52,6 +59,7 @@ class TrainState:
     train_criterion: nn.Module
     ema: Optional[ModelEma] = None
     mixer: Optional[BatchMixer] = None
+    evaluator: Optional[Callable] = None
 
     @property
     def lr(self) -> float:
@@ -172,7 +180,7 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
     model = create_model(cfg.arch, num_classes, cfg.small_stem,
                          use_stem_kernels(cfg.maxpool_kernel, ctx.device, cfg.channels_last, cfg.small_stem),
                          use_bn_kernels(cfg.bn_kernel, ctx.device),
-                         use_conv_stats(cfg.bn_kernel, ctx.device, cfg.half_dtype))
+                         use_conv_stats(cfg.bn_kernel, ctx.device, cfg.half_dtype), blurpool=cfg.blurpool)
     if start is not None:
         load_weights_into(model, *start)
     if cfg.sync_bn:
@@ -206,8 +214,19 @@ def build_training(cfg, ctx, num_classes: int, iters_per_epoch: int, start: Opti
 
 def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     """The state with its model wrapped for the launch mode (DataParallel, DDP) and compiled as
-    ``--compile`` says; after any weights are loaded (DDP broadcasts rank 0's at wrapping)."""
+    ``--compile`` says, after any weights are loaded (DDP broadcasts rank 0's at wrapping): one
+    graph per training size (``--progressive-resize``). Its evaluator, validation's forward
+    (``--val-flip``), runs DDP's inner module (DDP's forward may talk to the other ranks, whose
+    validation shards differ in length) and DataParallel's wrapper (which splits the batch over its
+    GPUs); where the model is compiled it is compiled apart, fed batches of one size
+    (:class:`FixedBatch`), so validation compiles once too."""
     cfg = resolved(cfg, ctx)
-    state.model = compile_model(distributed.wrap(state.model, ctx, **ddp_options), cfg.compile, ctx.mode,
-                                tune=cfg.tune_kernels)
+    wrapped = distributed.wrap(state.model, ctx, **ddp_options)
+    ddp = ddp_of(wrapped)
+    state.evaluator = Evaluator(ddp.module if ddp is not None else wrapped, cfg.val_flip)
+    state.model = compile_model(wrapped, cfg.compile, ctx.mode, tune=cfg.tune_kernels,
+                                shapes=len(training_sizes(cfg)))
+    if cfg.compile != "off":
+        state.evaluator = FixedBatch(compile_model(state.evaluator, cfg.compile, ctx.mode, tune=cfg.tune_kernels),
+                                     micro_batch_size(cfg, ctx))
     return state

@@ -116,8 +116,8 @@ def build_step(args, name: str, channels_last: bool, ctx):
     optimizer step); the training state lives as long as it does."""
     base = Config(arch=args.arch, batch_size=args.batch_size, channels_last=channels_last, image_size=args.image_size,
                   lr=0.01, optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, compile=args.compile,
-                  tune_kernels=args.tune_kernels,
-                  maxpool_kernel=args.maxpool_kernel, bn_kernel=args.bn_kernel)
+                  tune_kernels=args.tune_kernels, maxpool_kernel=args.maxpool_kernel, bn_kernel=args.bn_kernel,
+                  blurpool=args.blurpool)
     cfg = precision_config(name, base)
     if ctx.device.type == "cuda":
         configure_tf32(cfg.tf32)
@@ -199,7 +199,8 @@ def bench_one(args, name: str, channels_last: bool, ctx) -> dict:
             "min": min(rates), "max": max(rates), "peak_gib": peak, "mode": ctx.mode,
             "devices": ctx.n_devices, "batch": args.batch_size, "compile": args.compile,
             "tune_kernels": args.tune_kernels, "maxpool_kernel": args.maxpool_kernel, "bn_kernel": args.bn_kernel,
-            "optimizer": args.optimizer_impl, "lars": args.optimizer == "lars"}
+            "optimizer": args.optimizer_impl, "lars": args.optimizer == "lars", "blurpool": args.blurpool,
+            "image_size": args.image_size}
 
 
 PREFETCH = 4  # batches each data worker keeps ready
@@ -379,6 +380,7 @@ def main(argv=None) -> int:
     t.add_argument("--ddp-bucket-mb", type=float, default=0, help="DDP gradient bucket size (0: torch's 25 MB)")
     t.add_argument("--ddp-bucket-view", action="store_true",
                    help="DDP gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy)")
+    t.add_argument("--blurpool", action="store_true", help="as main.py's: a blur before each strided convolution")
     t.add_argument("--batch-size", type=int, default=256, help="global batch")
     t.add_argument("--optimizer", choices=("sgd", "lars"), default="sgd", help="as main.py's --optimizer")
     t.add_argument("--optimizer-impl", choices=IMPLS, default="auto",

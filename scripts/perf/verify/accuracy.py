@@ -32,6 +32,7 @@ MULTIGPU_ROWS = (
     ("6b-ddp-amp", "{py} -m multiproc --log-dir OUT {recipe} --amp --dist-backend nccl"),
 )
 EAGER = " --compile off --bn-kernel torch"  # eager, torch's BatchNorm: the step before the speed defaults
+RAMP = " --progressive-resize 32 --progressive-step 8 --progressive-ramp 1:6"
 RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 0.1",
                    "ema": " --model-ema 0.999", "ls": " --label-smoothing 0.1",
                    # with configs/fashion-mnist-stem.yaml (a stem with a max-pool, channels_last):
@@ -45,7 +46,12 @@ RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 
                    "cudnn-ro": " --maxpool-kernel triton --bn-kernel cudnn --compile reduce-overhead",
                    "kernels": " --compile off --maxpool-kernel triton --bn-kernel triton",
                    # the command as typed (the speed defaults) against maxpool-torch
-                   "default": ""}
+                   "default": "",
+                   # with configs/fashion-mnist-stem.yaml (56 px): progressive resizing from 32 px (sizes 32, 40,
+                   # 48, 56 over 8 or 12 epochs), compiled with CUDA graphs (a graph a size) against eager, and
+                   # FFCV's triangular schedule against the config's cosine
+                   "ramp": RAMP, "ramp-eager": RAMP + " --compile off",
+                   "ramp-triangular": RAMP + " --lr-schedule triangular --warmup-epochs 2"}
 SHRINK_PIPELINES = {"classic": "--data-pipeline classic", "cpu": "--decode cpu", "gpu": "--decode gpu"}
 
 
@@ -98,7 +104,11 @@ def phase_recipe(args) -> None:
         if rows and "val_acc1_ema" in rows[-1]:
             print(f"{r['name']}: weight average final Acc@1 {rows[-1]['val_acc1_ema']:.2f}, "
                   f"best {max(x['val_acc1_ema'] for x in rows):.2f}")
-    table(results, f"r-fp16-plain-s{seeds[0]}")
+    for r in results:  # compiled progressive runs: the graphs each epoch compiled (0 once a size is compiled)
+        rows = last_metrics(os.path.join(args.out, r["name"]))
+        if rows and rows[0].get("compiles") is not None and rows[0]["image_size"] != rows[-1]["image_size"]:
+            print(f"{r['name']}: sizes {[x['image_size'] for x in rows]}, graphs compiled {[x['compiles'] for x in rows]}")
+    table(results, f"r-fp16-{names[0]}-s{seeds[0]}")
     for v, _ in variants:
         accs = seed_accs(results, f"r-fp16-{v}")
         if accs:
