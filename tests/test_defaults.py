@@ -97,7 +97,7 @@ def test_dataparallel_is_not_compiled_and_keeps_torchs_batchnorm():
 @pytest.mark.parametrize("flags, expect, reason", [
     (["--sync-bn"], (True, "triton", "torch", "off"), "--sync-bn"),
     (["--deterministic"], (True, "triton", "torch", "off"), "--deterministic"),
-    (["--accum-steps", "2"], (True, "triton", "triton", "default"), "pytorch/pytorch#169545"),
+    (["--accum-steps", "2"], (True, "triton", "triton", "reduce-overhead"), None),
     (["-e"], (True, "triton", "torch", "off"), "-e "),
     (["--small-stem"], (True, "torch", "triton", "reduce-overhead"), None),
     (["--progressive-resize", "128", "--epochs", "4"], (True, "triton", "triton", "reduce-overhead"), None),
@@ -250,7 +250,7 @@ def test_decode_auto_on_a_cpu_run_is_resolved_in_the_config_and_the_banner(digit
                  "--image-size", "16", "--val-resize", "16", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "--decode auto" not in out and "workers decode" in out, out  # the default, said as the pipeline line says it
-    assert "decode: cpu" in (tmp_path / "config.yaml").read_text().splitlines()[1]  # the decisions line
+    assert "decode: cpu" in (tmp_path / "prof-config.yaml").read_text().splitlines()[1]  # the decisions line (--prof)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="CPU affinity is Linux's")
