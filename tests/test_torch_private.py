@@ -55,6 +55,13 @@ def test_amp_unscale_and_check_unscales_and_flags_inf_and_nan():
         assert float(found_inf) == 1.0, f"torch._amp_foreach_non_finite_check_and_unscale_ missed {bad}"
 
 
+def test_foreach_zero_zeroes_every_tensor():
+    assert hasattr(torch, "_foreach_zero_"), "torch._foreach_zero_ is gone"
+    tensors = [torch.ones(3), torch.ones(2, 2, dtype=torch.float16)]
+    tp.foreach_zero_(tensors)
+    assert all(not t.any() for t in tensors), "torch._foreach_zero_ no longer zeroes"
+
+
 def test_foreach_copy_copies_across_dtypes():
     assert hasattr(torch, "_foreach_copy_"), "torch._foreach_copy_ is gone"
     dst = [torch.zeros(3, dtype=torch.float16), torch.zeros(2)]

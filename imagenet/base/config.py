@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VAL_RESIZE = 256  # the reference script's validation resize (shorter side, pixels)
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")  # torch.compile's modes (and off)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay the step as CUDA graphs
 LR_SCHEDULES = ("step", "cosine", "triangular", "poly")  # imagenet/training/schedule.py
 MAXPOOL_KERNELS = ("auto", "torch", "triton")  # --maxpool-kernel (imagenet/kernels/maxpool.py)
 BN_KERNELS = ("auto", "torch", "triton", "cudnn")  # --bn-kernel (imagenet/kernels/fusedbn.py, convstats.py)
@@ -532,11 +533,6 @@ def _check_modes(cfg: Config) -> None:
     _need(not (cfg.fp16 and cfg.amp),
           "--fp16 and --amp are two ways of doing mixed precision; pick one "
           "(--fp16: fp16 model with fp32 master weights; --amp: autocast)")
-    _need(cfg.accum_steps == 1 or cfg.compile not in ("reduce-overhead", "max-autotune"),
-          f"--accum-steps {cfg.accum_steps} adds up the gradients of several backward passes, and under --compile "
-          f"{cfg.compile} each pass replays a CUDA graph that reuses the memory holding the last pass's gradients "
-          "(torch stops with \"accessing tensor output of CUDAGraphs that has been overwritten\", "
-          "pytorch/pytorch#169545); use --compile default, or drop --accum-steps if the batch fits")
     _need(not cfg.tune_kernels or cfg.compile != "off",
           "--tune-kernels tunes the kernels torch.compile generates; add --compile default (or reduce-overhead)")
     _need(cfg.maxpool_kernel != "triton" or cfg.channels_last is not False,

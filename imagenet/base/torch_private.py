@@ -9,6 +9,7 @@ names the attribute that moved.
 * :func:`amp_update_scale_` -- ``torch._amp_update_scale_``, a dynamic loss scale updated on the device.
 * :func:`amp_unscale_and_check_` -- ``torch._amp_foreach_non_finite_check_and_unscale_``.
 * :func:`foreach_copy_` -- ``torch._foreach_copy_``, one multi-tensor copy.
+* :func:`foreach_zero_` -- ``torch._foreach_zero_``, one multi-tensor fill with zeros.
 * :func:`takes_found_inf` / :func:`step_skipping_on_device` -- an optimizer's
   ``_step_supports_amp_scaling`` and the ``found_inf`` / ``grad_scale`` attributes its
   ``step()`` reads (the fused kernels skip an overflowing step on the device).
@@ -55,6 +56,11 @@ def amp_unscale_and_check_(tensors: list, found_inf: torch.Tensor, inv_scale: to
 def foreach_copy_(dst: list, src: list) -> None:
     """``d.copy_(s)`` for every pair, as one multi-tensor kernel where the lists allow it."""
     torch._foreach_copy_(dst, src)
+
+
+def foreach_zero_(tensors: list) -> None:
+    """``t.zero_()`` for every tensor, as one multi-tensor kernel where the list allows it."""
+    torch._foreach_zero_(tensors)
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:

@@ -56,7 +56,7 @@ class AutocastPrecision(Precision):
             self._clip(_optimizer_params(optimizer))
         self.scaler.step(optimizer)
         self.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        self._clear_grads(optimizer)
         if on_device:
             stepped = grad_scaler_scale(self.scaler) >= before  # the scaler shrinks exactly when it skipped
             if self._skipped_dev is None:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..base.torch_private import foreach_zero_
 from ..base.wrappers import unwrap
 
 
@@ -23,6 +24,25 @@ class Precision:
     def __init__(self, *, clip_norm: Optional[float] = None):
         self.clip_norm = clip_norm
         self._flags: dict = {}  # (device, bool) -> the constant flag step() returns
+        self._held: Optional[list] = None  # hold_gradients(): the gradients zeroed in place each step
+
+    def hold_gradients(self, model: nn.Module) -> None:
+        """Keep the model's gradients in buffers of the run's own, zeroed in place after each step,
+        instead of dropping them. Under CUDA graphs a backward's gradients are graph outputs, which
+        the graph's next replay overwrites: the first backward of a step would lend them to
+        ``.grad`` and the next micro-batch (``--accum-steps``) overwrite what it should add to
+        (pytorch/pytorch#169545). With ``.grad`` already there, autograd adds into it instead."""
+        self._held = [p for p in unwrap(model).parameters() if p.requires_grad]
+        for p in self._held:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step: the gradients dropped, or zeroed in their held buffers (:meth:`hold_gradients`)."""
+        if self._held is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            foreach_zero_([p.grad for p in self._held])
 
     def _clip(self, params) -> None:
         if self.clip_norm is not None:
@@ -68,7 +88,7 @@ class Precision:
         """
         self._clip(_optimizer_params(optimizer))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self._clear_grads(optimizer)
         return self._flag(True, _param_device(optimizer))
 
     @property

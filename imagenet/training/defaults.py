@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ..base.config import Config
+from ..base.config import CUDA_GRAPH_MODES, Config
 from ..base.processenv import INDUCTOR_CACHE, MAX_CONNECTIONS, MAX_CONNECTIONS_VALUE, ProcessEnv
 from ..data.gpu.choice import choose as choose_decode
 from ..data.gpu.choice import gpu_decoder_available
@@ -187,7 +187,7 @@ def _conv_stats_fallback(cfg: Config, machine: Machine, compile_mode: str) -> Op
         return "which serve half-precision convolutions (--fp16, --amp), and this run is fp32"
     if machine.no_conv_stats is not None:
         return f"as {machine.no_conv_stats}"
-    if compile_mode not in ("reduce-overhead", "max-autotune"):  # CUDA graphs replay the launches
+    if compile_mode not in CUDA_GRAPH_MODES:  # CUDA graphs replay the launches
         return "as without CUDA graphs each of their graphs would be launched from Python"
     return None
 
@@ -237,11 +237,6 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
             compile_mode = "off"
             if gpu:
                 choices.append(Choice("not compiled", why_not, "--compile MODE asks for it"))
-        elif cfg.accum_steps > 1:
-            compile_mode = "default"
-            choices.append(Choice("torch.compile without CUDA graphs",
-                                  f"--accum-steps {cfg.accum_steps} adds up gradients over several passes, which "
-                                  "CUDA graphs would overwrite (pytorch/pytorch#169545)", "--compile off skips it"))
         else:
             compile_mode = "reduce-overhead"
             choices.append(Choice("torch.compile with CUDA graphs (reduce-overhead)",

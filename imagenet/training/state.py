@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..base.config import CUDA_GRAPH_MODES
 from ..base.errors import UserError
 from ..base.metrics import means
 from ..base.wrappers import ddp_of
@@ -226,6 +227,8 @@ def wrap_training(state: TrainState, cfg, ctx, **ddp_options) -> TrainState:
     state.evaluator = Evaluator(ddp.module if ddp is not None else wrapped, cfg.val_flip)
     state.model = compile_model(wrapped, cfg.compile, ctx.mode, tune=cfg.tune_kernels,
                                 shapes=len(training_sizes(cfg)))
+    if cfg.accum_steps > 1 and cfg.compile in CUDA_GRAPH_MODES:  # the passes add into buffers of the run's
+        state.precision.hold_gradients(wrapped)
     if cfg.compile != "off":
         state.evaluator = FixedBatch(compile_model(state.evaluator, cfg.compile, ctx.mode, tune=cfg.tune_kernels),
                                      micro_batch_size(cfg, ctx))
