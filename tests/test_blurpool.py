@@ -54,7 +54,7 @@ def test_the_fused_blocks_blur_too():
     ones still blur (on a CPU the fused blocks compute with torch's BatchNorm)."""
     torch.manual_seed(0)
     fused = create_model("resnet50", 10, bn_kernels=False, blurpool=True)
-    from imagenet.kernels.fusedbn import fuse_resnet
+    from imagenet.models.fusedresnet import fuse_resnet
     plain_state = fused.state_dict()
     fuse_resnet(fused)
     reference = create_model("resnet50", 10, blurpool=True)

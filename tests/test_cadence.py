@@ -12,7 +12,8 @@ from imagenet.training.engine import ValResult
 from tests.helpers import digits_fixture, interrupt_after_step, last_checkpoint, tiny_run_args, assert_same_run
 
 digits = digits_fixture(2, 1)  # 20 training images: 2 steps an epoch at -b 8
-TIMING = ("run_seconds", "seconds_to_target", "img_per_s", "data_wait_frac", "train_seconds", "epoch_seconds")
+TIMING = ("run_seconds", "seconds_to_target", "img_per_s", "data_wait_frac", "train_seconds", "val_seconds",
+          "epoch_seconds")
 
 
 def rows(out) -> list:
