@@ -54,4 +54,4 @@ def test_the_lr_is_ffcvs_for_ffcvs_global_batch(path):
     assert (cfg.batch_size, cfg.lr) == peak
     assert cfg.batch_size // cfg.accum_steps in (512, 1024)
     assert (cfg.lr_schedule, cfg.warmup_epochs, cfg.lr_end, cfg.label_smoothing) == ("triangular", 2, 0, 0.1)
-    assert cfg.blurpool and cfg.val_flip and (cfg.val_crop, cfg.image_size) == (256, 192)
+    assert not cfg.blurpool and cfg.val_flip and (cfg.val_crop, cfg.image_size) == (256, 192)
