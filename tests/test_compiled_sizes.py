@@ -44,6 +44,17 @@ def test_each_size_compiles_once_and_validation_once(digits, tmp_path, monkeypat
     assert "a size already compiled" not in out
 
 
+def test_validation_compiled_in_a_later_epoch_is_no_recompile(digits, tmp_path, monkeypatch, capsys):
+    """--eval-start 2 validates first in the last epoch, whose training size was compiled before:
+    its validation graph is the run's first, not a size compiled again (no note)."""
+    torch.compiler.reset()  # the shapes another test compiled in this process would count as compiled
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
+    args = tiny_run_args(digits, tmp_path, "--epochs", "3", "--eval-start", "2", "--compile", "default", "-b", "24")
+    assert main(args) == 0
+    assert [r["compiles"] for r in rows(tmp_path)] == [1, 0, 1]
+    assert "a size already compiled" not in capsys.readouterr().out
+
+
 def test_the_recompile_limit_holds_every_size():
     """13 sizes (8 px steps from 128 to 224) and torch's 8 besides: past its limit Dynamo would run the
     model uncompiled for the rest of the run."""

@@ -373,6 +373,8 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         if not train.completed:
             skipped = skipped_so_far(progress.skipped, train.skipped_paths, ctx)
             raise saver.stopped(state, progress.at_step(train.steps_done, train.sums, skipped), stop)
+        clock.start()  # where no step ran (a resume after the epoch's last step), from here, before its validation
+        first.trained()
         # --decode gpu: where the epoch's training batches spent their time, this process's
         stages = start.train_loader.stage_account() if cfg.decode == "gpu" and not cfg.dummy else {}
         val_start = time.perf_counter()
@@ -386,7 +388,7 @@ def _epochs(cfg: Config, ctx, start: _Start, opts: LoopOptions, stop: StopReques
         skipped = _count_skipped(cfg, ctx, log, train.skipped_paths + val.skipped_paths, epoch,
                                  len(start.data.train) + len(start.data.val), before=progress)
         is_best = saver.is_best(val.acc1, progress)
-        compiles = first.compiles(epoch)
+        compiles = first.compiles(epoch, validated=val.acc1 is not None)
         record = EpochRecord(
             epoch=epoch, lr=lr_start, lr_end=state.lr, train_loss=train.loss, train_acc1=train.acc1,
             train_acc5=train.acc5, train_samples=train.samples, steps=train.steps, skipped_steps=train.skipped_steps,
@@ -420,22 +422,31 @@ class _FirstStep:
         self.seconds: Optional[float] = None
         self.size, self.epoch_started, self.sizes_done, self.new_size = 0, started, set(), True
         self.graphs = compiled_graphs() if compile_mode != "off" else None
+        self.trained_at, self.validated_before = self.graphs, False
 
     def begin(self, size: int) -> None:
         """An epoch at ``size`` px starts."""
         self.size, self.epoch_started, self.new_size = size, time.perf_counter(), size not in self.sizes_done
 
-    def compiles(self, epoch: int) -> Optional[int]:
+    def trained(self) -> None:
+        """The epoch's training is done: the graphs compiled since :meth:`begin` are training's."""
+        if self.graphs is not None:
+            self.trained_at = compiled_graphs()
+
+    def compiles(self, epoch: int, validated: bool) -> Optional[int]:
         """Graphs torch.compile compiled since the last call, the epoch's (None: not compiled);
-        a line where an epoch compiled at a size an earlier one had compiled for."""
+        a line where training compiled at a size an earlier epoch had compiled for, or validation
+        (one size, compiled at the first validated epoch) compiled again."""
         if self.graphs is None:
             return None
         now = compiled_graphs()
-        count, self.graphs = now - self.graphs, now
-        if count and not self.new_size:
-            logger.warning("=> note: epoch %d compiled %d graph%s at %d px, a size already compiled "
-                           "(TORCH_LOGS=recompiles says which guard failed)", epoch, count, "" if count == 1 else "s",
+        count, training, self.graphs = now - self.graphs, self.trained_at - self.graphs, now
+        again = (training if not self.new_size else 0) + (count - training if self.validated_before else 0)
+        if again:
+            logger.warning("=> note: epoch %d compiled %d graph%s again at %d px, a size already compiled "
+                           "(TORCH_LOGS=recompiles says which guard failed)", epoch, again, "" if again == 1 else "s",
                            self.size)
+        self.validated_before = self.validated_before or validated
         return count
 
     def hook(self, inner: Optional[Callable]) -> Callable:
