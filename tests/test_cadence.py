@@ -2,6 +2,7 @@
 what a skipped one writes, the run's clock, the stop at a target accuracy, and resumes across both."""
 
 import json
+import time
 
 import pytest
 
@@ -48,13 +49,14 @@ def test_a_skipped_epoch_writes_null_validation_and_keeps_the_best(digits, tmp_p
     assert last_checkpoint(tmp_path)["best_acc1"] == max(x["val_acc1"] for x in r[1:])
 
 
-def fake_validation(monkeypatch, accs: list) -> list:
-    """Validation answers ``accs`` in turn (a tiny model's accuracy is no fixed target); returns
-    the list of calls made."""
+def fake_validation(monkeypatch, accs: list, seconds: float = 0.0) -> list:
+    """Validation answers ``accs`` in turn (a tiny model's accuracy is no fixed target), each after
+    ``seconds``; returns the list of calls made."""
     calls = []
 
     def validate(**kw):
         calls.append(len(calls))
+        time.sleep(seconds)
         return ValResult(loss=1.0, acc1=accs[len(calls) - 1], acc5=100.0, samples=10, skipped_paths=[])
     monkeypatch.setattr("imagenet.training.runner.validate", validate)
     return calls
@@ -128,3 +130,15 @@ def test_the_mlperf_recipe_is_nvidias_8_gpu_run():
         ("poly", 2.0, 1e-4, 37, 2)
     assert [e + 1 for e in range(cfg.epochs) if cadence.validates(cfg, e)] == [3, 7, 11, 15, 19, 23, 27, 31, 35, 37]
     assert cfg.target_acc == 75.9 and cfg.label_smoothing == 0.1 and cfg.fp16
+
+
+def test_a_resume_after_an_epochs_last_step_counts_its_validation_on_the_clock(digits, tmp_path, monkeypatch):
+    """A checkpoint after an epoch's last step (--save-every-steps) trains nothing of that epoch on
+    resume: the run's clock must still run through the epoch's validation, where MLPerf's stops."""
+    interrupt_after_step(monkeypatch, 2, epoch=0)  # killed right after epoch 0's last step was saved
+    assert main(args(digits, tmp_path, "--epochs", "1", "--save-every-steps", "2")) == 130
+    carried = last_checkpoint(tmp_path)["run_seconds"]
+    monkeypatch.undo()
+    fake_validation(monkeypatch, [50.0], seconds=0.05)
+    assert main(args(digits, tmp_path, "--epochs", "1", "--resume", "auto")) == 0
+    assert rows(tmp_path)[-1]["run_seconds"] >= carried + 0.05
