@@ -383,6 +383,19 @@ def test_a_job_whose_index_went_before_it_took_its_lease_is_told_to_run_again(sh
     assert "was rebuilt by make_shards while this run started" in err and "run the command again" in err
 
 
+def test_a_job_whose_generation_record_went_before_it_took_its_lease_is_told_to_run_again(shards, tmp_path, capsys):
+    """The record of the generation a job read can be gone too (two rebuilds, the second with
+    --prune, between its reading the index and taking the lease): not a folder without records."""
+    folder = tmp_path / "out"
+    shutil.copytree(shards, folder)
+    records = list((folder / ".generations").iterdir())
+    assert records, "make_shards wrote no generation record"
+    for record in records:
+        record.unlink()
+    assert main(run_args(folder, tmp_path / "run")) == 2
+    assert "was rebuilt by make_shards while this run started" in capsys.readouterr().err
+
+
 def test_the_same_folder_through_a_symlink_is_the_same_conversion(digits, shards, tmp_path, capsys):
     (tmp_path / "link").symlink_to(digits)
     shutil.copytree(shards, tmp_path / "out")

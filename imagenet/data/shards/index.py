@@ -193,6 +193,8 @@ def hold(index: ShardIndex) -> Optional[Lease]:
     try:
         lease = Lease(record_path(index.root, index.generation), create=False)  # the run may not write here
     except FileNotFoundError:
+        if os.path.isdir(os.path.join(index.root, GENERATIONS)):  # make_shards writes a record before its index
+            raise _rebuilt(index.root) from None
         return None
     except OSError as e:
         if e.errno in NO_LOCKS or isinstance(e, PermissionError):
@@ -200,9 +202,13 @@ def hold(index: ShardIndex) -> Optional[Lease]:
         raise UserError(f"cannot read {record_path(index.root, index.generation)} ({e.strerror or e})") from None
     if lease.removed:  # two rebuilds since this run read the index, the second removing its files
         lease.close()
-        raise UserError(f"{index.root} was rebuilt by make_shards while this run started, and the files of the "
-                        f"index it read are gone; run the command again")
+        raise _rebuilt(index.root)
     return lease
+
+
+def _rebuilt(root: str) -> UserError:
+    return UserError(f"{root} was rebuilt by make_shards while this run started, and the files of the index it "
+                     "read are gone; run the command again")
 
 
 def check_shards(index: ShardIndex) -> None:
