@@ -142,3 +142,12 @@ def test_a_resume_after_an_epochs_last_step_counts_its_validation_on_the_clock(d
     fake_validation(monkeypatch, [50.0], seconds=0.05)
     assert main(args(digits, tmp_path, "--epochs", "1", "--resume", "auto")) == 0
     assert rows(tmp_path)[-1]["run_seconds"] >= carried + 0.05
+
+
+def test_start_epoch_keeps_the_runs_clock(digits, tmp_path):
+    from imagenet.base.checkpoint import atomic_save
+    assert main(args(digits, tmp_path, "--epochs", "1")) == 0
+    ckpt = last_checkpoint(tmp_path)
+    atomic_save(dict(ckpt, run_seconds=1000.0), str(tmp_path / "checkpoint.pth.tar"))  # a long run's reading
+    assert main(args(digits, tmp_path, "--epochs", "2", "--start-epoch", "1", "--resume", "auto")) == 0
+    assert rows(tmp_path)[-1]["run_seconds"] > 1000.0

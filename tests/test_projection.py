@@ -38,6 +38,9 @@ def test_rates_come_from_a_runs_last_validated_row(tmp_path, capsys):
     rows = [{"img_per_s": 9000.0, "val_samples": 50000, "epoch_seconds": 12.5, "train_seconds": 10.0},
             {"img_per_s": 9100.0, "val_samples": None, "epoch_seconds": 11.0, "train_seconds": 10.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert proj.rates_of_run(str(tmp_path)) == (9000.0, 20000.0)
+    assert proj.rates_of_run(str(tmp_path)) == (9000.0, 20000.0)  # a row without val_seconds
+    rows[0]["val_seconds"] = 2.0  # the validation alone, without the checkpoint's write
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert proj.rates_of_run(str(tmp_path)) == (9000.0, 25000.0)
     assert proj.main(["--from-run", str(tmp_path)]) == 0
     assert "min (MLPerf v4.0, NVIDIA 8x H200: 12.03 min" in capsys.readouterr().out

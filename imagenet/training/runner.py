@@ -319,7 +319,7 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan, held: contextlib.ExitSt
     if resume_path:
         progress = resume_from(resume_path, cfg, ctx, state, len(data.classes), order)
     if cfg.start_epoch is not None:
-        progress = Progress(cfg.start_epoch, 0, progress.best_acc1)
+        progress = Progress(cfg.start_epoch, 0, progress.best_acc1, run_seconds=progress.run_seconds)
     return _Start(data, train_loader, val_loader, state, progress, iters, order)
 
 

@@ -15,9 +15,8 @@ img/s. Per epoch, ``--overhead`` seconds more (a checkpoint write, the loaders' 
     minutes = (epochs * floor(N / B) * B / (G R S) + evaluations * 50,000 / (G E) + epochs * overhead) / 60
 
 ``--from-run DIR`` reads R (``img_per_s``) and E from a one-GPU ``main.py --dummy`` run that
-validated: E is ``val_samples`` over the epoch's time beyond training (``epoch_seconds -
-train_seconds``, which also holds the checkpoint's write, so E comes out low, the projection
-long). The output gives the projection beside MLPerf's 12.03 minutes and the 11-minute goal, and
+validated: E is ``val_samples`` over ``val_seconds`` (in rows written before that key, over the
+epoch's time beyond training, which also holds the checkpoint's write). The output gives the projection beside MLPerf's 12.03 minutes and the 11-minute goal, and
 the one-GPU training rate that reaches the goal at the same E, S and overhead.
 """
 
@@ -68,7 +67,9 @@ def rates_of_run(folder: str) -> tuple:
     row = next((r for r in reversed(rows) if r.get("val_samples")), None)
     if row is None:
         raise SystemExit(f"error: {path} has no validated epoch; run main.py --dummy with --dummy-val-size 50000")
-    return row["img_per_s"], row["val_samples"] / (row["epoch_seconds"] - row["train_seconds"])
+    # val_seconds: the validation alone; rows written before it existed: all beyond training (a checkpoint too)
+    seconds = row.get("val_seconds") or row["epoch_seconds"] - row["train_seconds"]
+    return row["img_per_s"], row["val_samples"] / seconds
 
 
 def main(argv=None) -> int:
