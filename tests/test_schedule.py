@@ -68,3 +68,20 @@ def test_the_flags_reach_the_schedule():
 def test_bad_schedule_flags_are_one_line_errors(flags, words):
     out = subprocess.run([sys.executable, "main.py", "--dummy", *flags], capture_output=True, text=True)
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lars-eta", "0.002"], "add --optimizer lars"),
+    (["--lr-end", "0.001"], "--lr-schedule step has none"),
+    (["--lr-schedule", "cosine", "--lr-poly-power", "3"], "add --lr-schedule poly"),
+    (["--progressive-step", "8"], "add --progressive-resize"),
+])
+def test_a_setting_without_its_feature_is_a_one_line_error(flags, words):
+    out = subprocess.run([sys.executable, "main.py", "--dummy", *flags], capture_output=True, text=True)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_settings_with_their_features_are_accepted():
+    from imagenet.base.config import validate
+    validate(Config(optimizer="lars", lars_eta=0.002, lr_schedule="poly", lr_poly_power=3, lr_end=1e-4,
+                    progressive_resize=128, progressive_step=8, epochs=4))

@@ -426,6 +426,7 @@ def validate(cfg: Config) -> None:
     _check_input(cfg)
     _check_run_control(cfg)
     _check_modes(cfg)
+    _check_companions(cfg)
     _check_launch(cfg)
 
 
@@ -559,6 +560,21 @@ def _check_modes(cfg: Config) -> None:
               "--dynamic-loss-scale contradicts a static --loss-scale; give one of them")
         _need(not (cfg.amp and static_loss_scale(cfg) is not None),
               "--amp uses a dynamic loss scale; a static --loss-scale needs --fp16")
+
+
+def _check_companions(cfg: Config) -> None:
+    """Settings of a feature given without the flag that turns it on: they would do nothing."""
+    defaults = {f.name: f.default for f in fields(Config)}
+    given = [name for name in defaults if getattr(cfg, name) != defaults[name]]
+    _need(cfg.optimizer == "lars" or not {"lars_eta", "lars_eps"} & set(given),
+          "--lars-eta and --lars-eps set LARS's trust ratio: add --optimizer lars, or drop them")
+    _need(cfg.lr_schedule != "step" or not {"lr_end", "lr_decay_epochs"} & set(given),
+          "--lr-end and --lr-decay-epochs shape the cosine, triangular and poly decays, and --lr-schedule step "
+          "has none: choose one of those schedules, or drop them")
+    _need(cfg.lr_schedule == "poly" or "lr_poly_power" not in given,
+          "--lr-poly-power is the poly decay's exponent: add --lr-schedule poly, or drop it")
+    _need(cfg.progressive_resize is not None or "progressive_step" not in given,
+          "--progressive-step rounds --progressive-resize's sizes: add --progressive-resize MIN_SIZE, or drop it")
 
 
 def _check_launch(cfg: Config) -> None:
