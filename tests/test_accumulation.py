@@ -254,3 +254,17 @@ def test_accumulation_is_accepted_in_every_compile_mode():
     from imagenet.base.config import Config, validate
     for mode in ("off", "default", "reduce-overhead", "max-autotune"):
         validate(Config(arch="resnet18", accum_steps=2, compile=mode))
+
+
+def test_running_out_of_gpu_memory_names_accum_steps(monkeypatch, capsys):
+    """A global batch too large for one GPU (MLPerf's -b 3200 in one pass) is a one-line error naming
+    the fix, not torch's traceback."""
+    from imagenet.training import runner
+
+    def out_of_memory(cfg, env=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(runner, "run", out_of_memory)
+    assert main(["--dummy", "-b", "3200"]) == 2
+    err = capsys.readouterr().err
+    assert "ran out of memory with -b 3200 (--accum-steps 1)" in err and "--accum-steps N" in err
+    assert "Traceback" not in err

@@ -65,6 +65,11 @@ def execute(cfg: Config, env: Optional[ProcessEnv] = None) -> int:
         return 0
     except UserError as e:
         return user_error(e)
+    except torch.cuda.OutOfMemoryError:
+        return user_error(UserError(
+            f"the GPU ran out of memory with -b {cfg.batch_size} (--accum-steps {cfg.accum_steps}): give --accum-steps N "
+            "to run each optimizer step as N passes of fewer images (the same steps, the same learning rate), or a "
+            "smaller -b with its learning rate scaled"))
     except Preempted as e:
         print(f"=> {e}", flush=True)
         return e.exit_code
