@@ -13,6 +13,6 @@ python - "$OUT/metrics.jsonl" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 last = rows[-1]
-print(f"demo: final val Acc@1 {last['val_acc1']:.2f}% (best {max(r['val_acc1'] for r in rows):.2f}%) "
+print(f"demo: final val Acc@1 {last['val_acc1']:.2f}% (best {max(r['val_acc1'] for r in rows if r['val_acc1'] is not None):.2f}%) "
       f"after {len(rows)} epochs, {sys.argv[2]} s including start-up; outputs in {sys.argv[1].rsplit('/', 1)[0]}")
 PY
