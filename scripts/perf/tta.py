@@ -61,8 +61,9 @@ ROWS = {
     "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 then 192 px, validation, checkpoints",
                 f"main.py JPEG --config {RECIPE} {RAMP} -j 4"),
     "jpeg-j8": ("the same with -j 8", f"main.py JPEG --config {RECIPE} {RAMP} -j 8"),
-    "blur": ("BlurPool's step cost: bench.py train, eager, -b 512 at 192 px, with and without --blurpool",
-             "bench.py train --precision fp16 --channels-last --maxpool-kernel triton --bn-kernel triton "
+    "blur": ("BlurPool's step cost: bench.py train, eager on torch's modules (what --blurpool runs on), -b 512 at "
+             "192 px, with and without --blurpool",
+             "bench.py train --precision fp16 --channels-last --maxpool-kernel torch --bn-kernel torch "
              "--batch-size 512 --image-size 192 --warmup 5 --steps 10 --windows 3"),
     "rn18": ("configs/resnet18-ffcv-16.yaml on synthetic data (1,024 a step), 160 then 192 px",
              f"main.py --dummy --config configs/resnet18-ffcv-16.yaml {RAMP} --dummy-train-size 40960 {SYNTH_VAL}"),
