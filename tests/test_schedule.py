@@ -8,14 +8,18 @@ import sys
 import pytest
 
 from imagenet.base.config import Config
-from imagenet.training.schedule import lr_factor, schedule_of
+from imagenet.training.schedule import schedule_of
 
 N = 10  # optimizer steps an epoch
 
 
+FLAGS = {"decay_epochs": "lr_decay_epochs", "power": "lr_poly_power", "step_epochs": "lr_step", "gamma": "lr_gamma"}
+
+
 def lrs(schedule, lr=2.0, **kw):
     kw.setdefault("epochs", 8)
-    fn = lr_factor(schedule, iters_per_epoch=N, lr=lr, **kw)
+    cfg = Config(lr_schedule=schedule, lr=lr, **{FLAGS.get(k, k): v for k, v in kw.items()})
+    fn = schedule_of(cfg, iters_per_epoch=N)
     return [lr * fn(it) for it in range(kw["epochs"] * N + 5 * N)]
 
 

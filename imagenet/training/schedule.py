@@ -17,17 +17,18 @@ The decays reach ``--lr-end`` at ``--lr-decay-epochs`` (default ``--epochs``; ML
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 
-def lr_factor(schedule: str, *, iters_per_epoch: int, epochs: int, warmup_epochs: float = 0.0,
-              lr: float = 1.0, lr_end: float = 0.0, decay_epochs: Optional[float] = None,
-              power: float = 2.0, step_epochs: int = 30, gamma: float = 0.1) -> Callable[[int], float]:
-    """The multiplier of ``lr`` at optimizer step ``it`` (0-based) of a run of ``epochs`` epochs
-    of ``iters_per_epoch`` steps. ``lr_end`` is absolute (in the units of ``lr``)."""
-    warmup = int(round(warmup_epochs * iters_per_epoch))
-    end = max(int(round((epochs if decay_epochs is None else decay_epochs) * iters_per_epoch)), warmup + 1)
-    floor = lr_end / lr
+def schedule_of(cfg, iters_per_epoch: int) -> Callable[[int], float]:
+    """The multiplier of ``cfg.lr`` at optimizer step ``it`` (0-based) of ``cfg``'s run, at
+    ``iters_per_epoch`` steps an epoch: ``--lr-schedule`` and its settings (``--lr-end`` is
+    absolute, in the units of ``--lr``)."""
+    schedule, power, gamma, step_epochs = cfg.lr_schedule, cfg.lr_poly_power, cfg.lr_gamma, cfg.lr_step
+    warmup = int(round(cfg.warmup_epochs * iters_per_epoch))
+    decay_epochs = cfg.epochs if cfg.lr_decay_epochs is None else cfg.lr_decay_epochs
+    end = max(int(round(decay_epochs * iters_per_epoch)), warmup + 1)
+    floor = cfg.lr_end / cfg.lr
 
     def shape(progress: float) -> float:  # 1 at the decay's start, 0 at its end
         if schedule == "cosine":
@@ -44,11 +45,3 @@ def lr_factor(schedule: str, *, iters_per_epoch: int, epochs: int, warmup_epochs
         progress = min((it - warmup) / (end - warmup), 1.0)
         return floor + (1.0 - floor) * shape(progress)
     return factor
-
-
-def schedule_of(cfg, iters_per_epoch: int) -> Callable[[int], float]:
-    """:func:`lr_factor` with the run's flags."""
-    return lr_factor(cfg.lr_schedule, iters_per_epoch=iters_per_epoch, epochs=cfg.epochs,
-                     warmup_epochs=cfg.warmup_epochs, lr=cfg.lr, lr_end=cfg.lr_end,
-                     decay_epochs=cfg.lr_decay_epochs, power=cfg.lr_poly_power, step_epochs=cfg.lr_step,
-                     gamma=cfg.lr_gamma)
