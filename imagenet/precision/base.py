@@ -37,12 +37,16 @@ class Precision:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a step: the gradients dropped, or zeroed in their held buffers (:meth:`hold_gradients`)."""
-        if self._held is None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
+    def _zero_held(self) -> bool:
+        """Zero the held gradients (:meth:`hold_gradients`) in place; False where none are held."""
+        if self._held is not None:
             foreach_zero_([p.grad for p in self._held])
+        return self._held is not None
+
+    def _clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step: the gradients zeroed in their held buffers, or dropped."""
+        if not self._zero_held():
+            optimizer.zero_grad(set_to_none=True)
 
     def _clip(self, params) -> None:
         if self.clip_norm is not None:

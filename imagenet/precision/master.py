@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..base.torch_private import amp_unscale_and_check_, foreach_copy_, foreach_zero_, step_skipping_on_device
+from ..base.torch_private import amp_unscale_and_check_, foreach_copy_, step_skipping_on_device
 from ..base.wrappers import unwrap
 from ..kernels.masterstep import MasterStep
 from .base import Precision
@@ -172,11 +172,9 @@ class MasterWeightPrecision(Precision):
                 p.copy_(m)
 
     def _reset_grads(self) -> None:
-        if self._held is None:
+        if not self._zero_held():
             for p in self.params:
                 p.grad = None
-        else:
-            foreach_zero_([p.grad for p in self._held])
         for m in self.masters:
             if m.grad is None:
                 m.grad = torch.zeros_like(m)

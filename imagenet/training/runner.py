@@ -266,14 +266,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     if not cfg.evaluate and progress.epoch >= cfg.epochs:
         logger.info("=> nothing left to train: the run is at epoch %d of --epochs %d (raise --epochs to train "
                     "further, or use -e to evaluate it)", progress.epoch, cfg.epochs)
-        return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0,
-                "img_per_s": 0.0, "last": {}}
+        return _nothing_trained(progress)
     if not cfg.evaluate and reached(cfg, progress.best_acc1):
         logger.info("=> nothing left to train: the run reached --target-acc %g before epoch %d (best Acc@1 %.3f); "
                     "raise --target-acc, or drop it, to train further", cfg.target_acc, progress.epoch,
                     progress.best_acc1)
-        return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0,
-                "img_per_s": 0.0, "last": {}}
+        return _nothing_trained(progress)
     # The schedule is a function of the iteration: start it where this epoch begins, also when
     # the batch size or dataset changed since the checkpoint, or --start-epoch moved the start.
     _align_schedule(state.scheduler, progress.steps_done(start.iters, cfg.accum_steps))
@@ -326,6 +324,12 @@ def _start(cfg: Config, ctx, seed: int, plan: SpeedPlan, held: contextlib.ExitSt
     if cfg.start_epoch is not None:
         progress = Progress(cfg.start_epoch, 0, progress.best_acc1, run_seconds=progress.run_seconds)
     return _Start(data, train_loader, val_loader, state, progress, iters, order)
+
+
+def _nothing_trained(progress: Progress) -> dict:
+    """The summary of a run that had nothing left to train."""
+    return {"best_acc1": progress.best_acc1, "last_acc1": None, "epochs_run": 0, "seconds": 0.0, "img_per_s": 0.0,
+            "last": {}}
 
 
 def _starting_weights(cfg: Config, weights) -> Optional[tuple]:
