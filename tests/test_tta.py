@@ -90,6 +90,27 @@ def test_the_tables_print_from_rows_json(tmp_path):
     assert len(rows) == 6 and "| 16 |" in rows[0] and "(8x A100)" in rows[0]
 
 
+def test_files_rows_are_set_beside_synthetic_at_each_size_leaving_out_the_first_epoch():
+    results = {"recipe": RESULTS["recipe"],
+               "jpeg-j8": {"epochs": [epoch(160, 9000.0), epoch(160, 10450.0), epoch(192, 8415.0)]},
+               "sizes-b256": RESULTS["sizes-b256"],
+               "jpeg-sizes-j4": {"epochs": [epoch(128, 9000.0), epoch(128, 13500.0), epoch(224, 7900.0)]}}
+    rows = {(r["files"], r["size"]): r for r in tta.files_against(results)}
+    assert set(rows) == {("jpeg-j8", 160), ("jpeg-j8", 192), ("jpeg-sizes-j4", 128), ("jpeg-sizes-j4", 224)}
+    assert rows[("jpeg-j8", 160)]["ratio"] == pytest.approx(10450 / 11000)  # the second epoch at 160 px, not the first
+    assert rows[("jpeg-j8", 192)]["ratio"] == pytest.approx(0.99)
+    assert rows[("jpeg-sizes-j4", 128)]["ratio"] == pytest.approx(0.9) and rows[("jpeg-sizes-j4", 224)]["synthetic"] == "sizes-b256"
+    assert tta.files_against({"jpeg-j8": results["jpeg-j8"]}) == []  # no synthetic row: nothing to set beside
+
+
+def test_the_files_rows_train_each_size_after_a_first_epoch():
+    from imagenet.base.config import parse_config
+    from imagenet.data.transforms import image_size_at
+    for name, sizes in (("jpeg-j8", [160, 160, 192]), ("jpeg-sizes-j8", [128, 128, 160, 192, 224])):
+        cfg = parse_config(tta.shlex.split(tta.ROWS[name][1].replace("JPEG", "/data"))[1:])
+        assert [image_size_at(e, cfg) for e in range(cfg.epochs)] == sizes, name
+
+
 def test_every_main_row_is_a_command_line_main_accepts():
     import shlex
 

@@ -43,6 +43,11 @@ RECIPE = "configs/resnet50-ffcv-16.yaml"
 # One epoch at 160 px, one at 192 (the recipes' two sizes; a warm-up of one epoch, as two epochs cannot
 # hold two, which changes no rate); a synthetic recipe epoch is 15 optimizer steps of 4,096
 RAMP = "--epochs 2 --progressive-ramp 0:1 --warmup-epochs 1 -p 1000"
+# from files, a second epoch at 160 px: a run's first epoch reads its files from disk and starts its
+# workers, so its rate is no steady one (the projection takes each size's last epoch)
+RAMP_FILES = "--epochs 3 --progressive-ramp 1:2 --warmup-epochs 1 -p 1000"
+# the typed command at each size, the first (128 px) twice for the same reason; sizes 128, 128, 160, 192, 224
+SIZES_FILES = "--image-size 224 --progressive-resize 128 --progressive-ramp 1:4 --epochs 5 -p 1000"
 SYNTH_VAL = "--dummy-val-size 10240"
 # name: (what it measures, command; OUT is the row's folder, JPEG the image folder)
 ROWS = {
@@ -56,11 +61,14 @@ ROWS = {
     "sizes-b512": ("-b 512 (the recipe's batch a GPU) at 160 and 192 px, CUDA graphs; validation 256 px flipped",
                    f"main.py --dummy -a resnet50 -b 512 --fp16 --image-size 192 --progressive-resize 160 {RAMP} "
                    f"--val-crop 256 --val-resize 293 --val-flip --dummy-train-size 20480 {SYNTH_VAL}"),
-    "recipe": (f"{RECIPE} on synthetic data: 8 passes of 512 a step, BlurPool, 160 then 192 px",
+    "recipe": (f"{RECIPE} on synthetic data: 8 passes of 512 a step, 160 then 192 px",
                f"main.py --dummy --config {RECIPE} {RAMP} --dummy-train-size 61440 {SYNTH_VAL}"),
-    "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 then 192 px, validation, checkpoints",
-                f"main.py JPEG --config {RECIPE} {RAMP} -j 4"),
-    "jpeg-j8": ("the same with -j 8", f"main.py JPEG --config {RECIPE} {RAMP} -j 8"),
+    "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 px twice, then 192 px, validation, "
+                "checkpoints", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 4"),
+    "jpeg-j8": ("the same with -j 8", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 8"),
+    "jpeg-sizes-j8": ("the typed command from JPEG files, -j 8, at 128 (twice), 160, 192 and 224 px (against sizes-b256)",
+                      f"main.py JPEG -a resnet50 -b 256 --fp16 {SIZES_FILES} -j 8"),
+    "jpeg-sizes-j4": ("the same with -j 4", f"main.py JPEG -a resnet50 -b 256 --fp16 {SIZES_FILES} -j 4"),
     "blur": ("BlurPool's step cost: bench.py train, eager on torch's modules (what --blurpool runs on), -b 512 at "
              "192 px, with and without --blurpool",
              "bench.py train --precision fp16 --channels-last --maxpool-kernel torch --bn-kernel torch "
@@ -69,7 +77,9 @@ ROWS = {
              f"main.py --dummy --config configs/resnet18-ffcv-16.yaml {RAMP} --dummy-train-size 40960 {SYNTH_VAL}"),
 }
 # the projection's rows first: a call past --budget leaves out the last
-DEFAULT_ROWS = "recipe,jpeg-j4,jpeg-j8,sizes-b256,typed-160,blur,sizes-b512"
+DEFAULT_ROWS = "recipe,jpeg-j8,sizes-b256,jpeg-sizes-j8,jpeg-j4,jpeg-sizes-j4,typed-160,blur,sizes-b512"
+# each files row against the synthetic row of its batch and sizes, side by side in the call
+FILES_AGAINST = {"jpeg-j4": "recipe", "jpeg-j8": "recipe", "jpeg-sizes-j4": "sizes-b256", "jpeg-sizes-j8": "sizes-b256"}
 # FFCV's published runs (libffcv/ffcv-imagenet README, assets/agg.csv): epochs -> (top-1 %, minutes)
 FFCV_RN50 = {16: (73.8, 14.9), 24: (75.6, 21.7), 32: (76.6, 28.7), 40: (77.2, 35.6), 56: (78.0, 49.4), 88: (78.4, 77.2)}
 FFCV_RN18 = {16: (66.9, 35.0), 24: (68.8, 51.6), 32: (70.0, 68.9), 40: (70.6, 85.5), 56: (71.3, 119.4),
@@ -99,6 +109,24 @@ def epochs_of(rows: list) -> list:
 def first_steps(log: str) -> dict:
     """{size or 0 (the run's first): seconds} from the log's first-step lines."""
     return {int(size or 0): float(sec) for size, sec in FIRST_STEP.findall(log)}
+
+
+def files_against(results: dict) -> list:
+    """Each files row's steady rate at each size (the last epoch at that size, never the run's
+    first) against its synthetic row's (FILES_AGAINST) at that size, as rows of a table."""
+    out = []
+    for files, synthetic in FILES_AGAINST.items():
+        got, ref = results.get(files, {}).get("epochs"), results.get(synthetic, {}).get("epochs")
+        if not got or not ref:
+            continue
+        steady = {e["size"]: e for e in got[1:]}
+        ref_rate = {e["size"]: e["img_per_s"] for e in ref}
+        for size, e in sorted(steady.items()):
+            base = ref_rate.get(size)
+            out.append({"files": files, "synthetic": synthetic, "size": size, "img_per_s": e["img_per_s"],
+                        "wait": e["wait"], "synthetic_img_per_s": base,
+                        "ratio": e["img_per_s"] / base if base and e["img_per_s"] else None})
+    return out
 
 
 # ------------------------------------------------------------------ the projection
@@ -196,6 +224,14 @@ def print_tables(results: dict, root: str = REPO) -> list:
             val = e["val_samples"] / e["val_s"] if e["val_s"] else None
             print(f"| {name} | {e['size']} | {fmt(e['img_per_s'])} | {fmt(e['wait'], '.3f')} | {fmt(e['compiles'], 'd')}"
                   f" | {fmt(step, '.1f')} | {fmt(val)} | {fmt(e['ckpt'], '.1f')} |")
+    files_rows = files_against(results)
+    if files_rows:
+        print("\nfrom files against synthetic data, each size's last epoch (the first epoch of a run is left out)")
+        print("| files row | synthetic row | size px | files img/s | input wait | synthetic img/s | ratio |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for f in files_rows:
+            print(f"| {f['files']} | {f['synthetic']} | {f['size']} | {fmt(f['img_per_s'])} | {fmt(f['wait'], '.3f')} "
+                  f"| {fmt(f['synthetic_img_per_s'])} | {fmt(f['ratio'], '.3f')}x |")
     prog, typed = results.get("sizes-b256", {}).get("epochs"), results.get("typed-160", {}).get("epochs")
     if prog and typed:
         p = next((e["img_per_s"] for e in prog if e["size"] == 160), None)
