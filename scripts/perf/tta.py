@@ -15,10 +15,11 @@ first-step lines of its log. After each row its line is printed and ``DIR/rows.j
 so a call cut short keeps what it measured; at the end: the table of every epoch, the
 progressive run against the typed command at the same size, BlurPool's cost, and the projection
 of each recipe (training at each size from files, validation of 50,000 images and a checkpoint
-every epoch, each size's compilation once), beside FFCV's published time and hardware. The
-default rows take about eight minutes on an H200 with 16 cores (a fresh machine: every shape
-compiled cold); --budget leaves out the rows that would start too late. DIR receives every row's
-checkpoints (hundreds of MB): give a scratch folder and keep DIR/rows.json.
+every epoch, each size's compilation once), beside FFCV's published time and hardware. From
+files a run's first epoch is left out of the files-against-synthetic table (its files read cold,
+its workers starting). The first six default rows took 532 s on an H100 with 16 cores, a fresh
+machine (docs/BENCHMARKS.md, QQ1); --budget leaves out the rows that would start too late. DIR
+receives every row's checkpoints (hundreds of MB): give a scratch folder and keep DIR/rows.json.
 """
 
 from __future__ import annotations
