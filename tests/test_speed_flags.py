@@ -300,3 +300,19 @@ def test_largebatch_variants_scale_the_recipes_rate():
     assert largebatch_flags("sgd-b2048-sqrt", 0.05) == "-b 2048 --lr=0.2 --warmup-epochs 2"
     assert largebatch_flags("lars-b2048-lr10-poly", 0.05) == (
         "-b 2048 --lr-schedule poly --lr-poly-power 2 --lr-end 0.0001 --lr=10 --warmup-epochs 2 --optimizer lars")
+
+
+def test_every_recipe_variant_is_flags_main_accepts_with_the_stem_recipe():
+    """gpu_verify.py recipe's variants: each a set of main.py flags the stem recipe's config takes;
+    the eager triangular one differs from ramp-eager by its schedule alone."""
+    import importlib
+    import shlex
+
+    from imagenet.base.config import parse_config
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))  # where gpu_verify.py finds its package
+    accuracy = importlib.import_module("verify.accuracy")
+    cfgs = {name: parse_config(["DIR", "--config", os.path.join(REPO, "configs", "fashion-mnist-stem.yaml"),
+                                *shlex.split(flags)]) for name, flags in accuracy.RECIPE_VARIANTS.items()}
+    eager, tri = cfgs["ramp-eager"], cfgs["ramp-eager-triangular"]
+    assert (eager.lr_schedule, tri.lr_schedule, tri.compile, tri.progressive_resize) == ("cosine", "triangular", "off", 32)
+    assert cfgs["ramp"].compile != "off" and cfgs["ramp"].progressive_resize == 32

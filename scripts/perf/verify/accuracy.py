@@ -51,7 +51,9 @@ RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 
                    # 48, 56 over 8 or 12 epochs), compiled with CUDA graphs (a graph a size) against eager, and
                    # FFCV's triangular schedule against the config's cosine
                    "ramp": RAMP, "ramp-eager": RAMP + " --compile off",
-                   "ramp-triangular": RAMP + " --lr-schedule triangular --warmup-epochs 2"}
+                   "ramp-triangular": RAMP + " --lr-schedule triangular --warmup-epochs 2",
+                   # the same schedule comparison on the eager step (against ramp-eager): no compilation to wait for
+                   "ramp-eager-triangular": RAMP + " --compile off --lr-schedule triangular --warmup-epochs 2"}
 SHRINK_PIPELINES = {"classic": "--data-pipeline classic", "cpu": "--decode cpu", "gpu": "--decode gpu"}
 
 
