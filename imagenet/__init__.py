@@ -6,6 +6,7 @@ below it (``tests/test_layering.py`` checks it with import-linter's contract in 
 
 =========  ====================================================================================
 cli        the command line's entry: flags checked before torch is imported, then training.runner
+launch     ``python -m multiproc``: one process per GPU on torch's elastic agent (imports no training code)
 training   a run: wiring (runner), the loops (engine), the state and its checkpoints, the run log
 data       datasets (folders, tar shards, synthetic), decoding on CPU and GPU, samplers, loaders, prefetch
 parallel   launch modes (DistContext), DDP/DataParallel, reductions, spawn, stop signals

@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import multiproc  # noqa: E402
+from imagenet.launch import gpus  # noqa: E402
 
 
 def free_port():
@@ -366,7 +366,9 @@ def test_no_gpu_message_suggests_cpu_processes(tmp_path):
 
 def test_imports_no_training_code_nor_torch():
     code = ("import sys, multiproc; "
-            "assert not {'torch', 'imagenet'} & set(sys.modules), sorted(sys.modules)")
+            "mods = {m for m in sys.modules if m in ('torch', 'imagenet') or m.startswith(('torch.', 'imagenet.'))}; "
+            "assert mods <= {'imagenet', 'imagenet.launch', 'imagenet.launch.agent', 'imagenet.launch.flags', "
+            "'imagenet.launch.gpus', 'imagenet.launch.group'}, sorted(mods)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=30)
 
 
@@ -374,18 +376,18 @@ def test_imports_no_training_code_nor_torch():
     ("", 0), ("0", 1), ("0,1", 2), ("3, 5,7", 3), ("0,-1,2", 1), ("GPU-abc,GPU-def", 2),
 ])
 def test_count_cuda_visible_devices(value, count):
-    assert multiproc.count_cuda_visible_devices(value) == count
+    assert gpus.count_cuda_visible_devices(value) == count
 
 
 def test_visible_gpu_count_respects_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert multiproc.visible_gpu_count() == 2
+    assert gpus.visible_gpu_count() == 2
 
 
 def test_launcher_env_keeps_a_user_nvls_setting_and_sets_omp_threads_as_torchrun():
-    assert multiproc.launcher_env({"NCCL_NVLS_ENABLE": "1"}, 4) == {"OMP_NUM_THREADS": "1"}
-    assert multiproc.launcher_env({"OMP_NUM_THREADS": "3"}, 4) == {"NCCL_NVLS_ENABLE": "0"}
-    assert multiproc.launcher_env({}, 1) == {"NCCL_NVLS_ENABLE": "0"}  # one process: all its threads
+    assert gpus.launcher_env({"NCCL_NVLS_ENABLE": "1"}, 4) == {"OMP_NUM_THREADS": "1"}
+    assert gpus.launcher_env({"OMP_NUM_THREADS": "3"}, 4) == {"NCCL_NVLS_ENABLE": "0"}
+    assert gpus.launcher_env({}, 1) == {"NCCL_NVLS_ENABLE": "0"}  # one process: all its threads
 
 
 def rank_pid(launcher_pid, rank):
