@@ -99,7 +99,7 @@ def launch(args):
         run.omp_default = "OMP_NUM_THREADS" in extra
         os.environ.update(extra)
         # torch's handlers go on these signals while the agent spawns; ignored ones stay ignored.
-        handled = [s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if s not in run._ignored]
+        handled = [s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if s not in run.ignored]
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(handled + ["SIGQUIT"])
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException

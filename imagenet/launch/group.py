@@ -99,7 +99,7 @@ class Launch:
         self.failure = None  # (global rank, exit status) that ended the current attempt
         self.idle_exception = Stop
         self.omp_default = False  # the launcher chose OMP_NUM_THREADS=1
-        self._ignored = None  # signals ignored when the launcher started
+        self.ignored = None  # signals ignored when the launcher started
 
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
@@ -109,10 +109,10 @@ class Launch:
 
     def install_handlers(self):
         """Our handler for the forwarded signals (again after torch's agent put its own)."""
-        if self._ignored is None:  # `nohup` and background jobs rely on these staying ignored
-            self._ignored = {s for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
+        if self.ignored is None:  # `nohup` and background jobs rely on these staying ignored
+            self.ignored = {s for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
         for sig in FORWARDED_SIGNALS:
-            if sig in self._ignored:
+            if sig in self.ignored:
                 signal.signal(sig, signal.SIG_IGN)
                 continue
             signal.signal(sig, self._on_signal)
