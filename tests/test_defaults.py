@@ -199,7 +199,8 @@ def test_images_are_jpeg_looks_at_the_first_class_folder(tmp_path):
 
 def test_decode_auto_names_the_flag_that_changes_it():
     def line(argv, host):
-        return lines(plan_of(["DIR", "--decode", "auto", *argv], host))
+        plan = plan_of(["DIR", "--decode", "auto", *argv], host)
+        return next(c.line() for c in plan.choices if "--decode auto" in c.what)
     assert line([], machine(16)).endswith("(--decode cpu decodes in the workers)")
     dp = {"mode": "dp", "gpus_per_process": 2}
     assert line([], machine(16, **dp)).endswith("(-j 24 --decode cpu decodes in the workers)")  # enough cores for it
@@ -212,7 +213,7 @@ def test_decode_auto_on_synthetic_data_and_decode_as_asked_say_nothing():
     assert plan.decode == "cpu" and "--decode" not in lines(plan)
     for decode in ("cpu", "gpu"):  # asked for: stands, whatever the machine
         plan = plan_of(["DIR", "--decode", decode], machine(64))
-        assert plan.decode == decode and "--decode" not in lines(plan)
+        assert plan.decode == decode and "--decode auto" not in lines(plan)
 
 
 def test_the_machine_is_read_from_the_launch_context(monkeypatch):
@@ -272,3 +273,22 @@ def test_more_workers_than_cores_get_one_banner_line_and_no_torch_warning(digits
     assert notes == ["=> note: -j 2 asks for more data workers than the 1 CPU core this process may use: all 2 run, "
                      "taking turns on it (-j 1 or fewer gives each a core of its own)"], out
     assert not [w for w in caught if "worker processes in total" in str(w.message)], [str(w.message) for w in caught]
+
+
+# --decode-share: the workers' share of the GPU decode's JPEGs (imagenet/data/gpu/share.py)
+def test_the_gpu_decode_says_the_workers_take_a_share_and_how_to_stop_it():
+    for argv in (["DIR"], ["DIR", "--decode", "gpu"]):
+        plan = plan_of(argv, machine(16))
+        share = [c.line() for c in plan.choices if "--decode-share" in c.flag]
+        assert plan.decode == "gpu" and len(share) == 1, lines(plan)
+        assert share[0].startswith("the workers decode a share of the training JPEGs while the GPU decode sets the "
+                                   "pace: one thread makes the GPU decoder's calls")
+        assert share[0].endswith("(--decode-share 0 keeps every JPEG on the GPU)")
+    for argv in (["DIR", "--decode-share", "0"], ["DIR", "--decode-share", "0.3"], ["DIR", "--decode", "cpu"],
+                 ["--dummy"]):
+        assert "--decode-share" not in lines(plan_of(argv, machine(16))), argv
+    # a share of a decode the workers do alone is said to be unused, with the reason
+    plan = plan_of(["DIR", "--decode-share", "0.3"], machine(16, jpeg=False))
+    assert plan.decode == "cpu" and plan.notes == ("--decode-share 0.3 is left unused: the workers decode every "
+                                                   "image (the training images are not JPEGs: nvJPEG decodes only "
+                                                   "JPEGs)",)

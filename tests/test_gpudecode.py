@@ -72,7 +72,7 @@ def test_train_crops_match_the_cpu_decoder_within_rounding(files, size):
         torch.manual_seed(k)
         want = cpu(path)
         item, got, keep, counts = decode_one(TrainJpegReader(TrainDecoder(size, 0.3, 0.5, draft=False)), path, k)
-        assert isinstance(item, JpegJob) and keep == [True] and counts == {"gpu": 1, "cpu": 0}
+        assert isinstance(item, JpegJob) and keep == [True] and counts == {"gpu": 1, "cpu": 0, "share": 0}
         assert got.shape == (1, size, size, 3) and got.dtype == torch.uint8
         diff = (got[0].int() - want.int()).abs()
         # the same crop box and flip; PIL's fixed-point filter vs torch's float one: rounding only
@@ -93,7 +93,7 @@ def test_non_jpegs_fall_back_to_the_worker_and_are_counted(files):
     # would turn it, the CPU path does not
     for path in (files["png"], files["cmyk"], files["progressive"], files["rotated"]):
         item, images, keep, counts = decode_one(reader, path)
-        assert isinstance(item, CpuDecoded) and counts == {"gpu": 0, "cpu": 1} and images.shape == (1, 32, 32, 3)
+        assert isinstance(item, CpuDecoded) and counts == {"gpu": 0, "cpu": 1, "share": 0} and images.shape == (1, 32, 32, 3)
         torch.manual_seed(0)
         assert torch.equal(images[0], TrainDecoder(32, 0.3, 0.5)(path))  # the CPU path's own image
 
@@ -127,7 +127,7 @@ def test_a_batch_travels_as_one_shared_buffer(files):
     assert len(message) < 2000 + sum(len(p) for p in batch.paths), len(message)
     got, targets, _ = pickle.loads(message)
     assert torch.equal(got.blob, batch.blob) and torch.equal(targets, batch.targets) and got.lengths == batch.lengths
-    assert got.handoff >= 0 and got.worker_seconds == batch.worker_seconds and len(got.worker_seconds) == 4
+    assert got.handoff >= 0 and got.worker_seconds == batch.worker_seconds and len(got.worker_seconds) == 5
 
 
 def test_the_decoder_is_found_and_named(monkeypatch):
@@ -216,7 +216,7 @@ def test_an_image_of_another_shape_than_its_header_is_decoded_again_on_the_cpu(f
     batch = JpegBatch.collate([reader(files["jpeg"][0])])
     images, keep, bad, counts = decode_batch(batch, CPU, decoder=turned)
     want, _, _, _ = decode_batch(batch, CPU)
-    assert counts == {"gpu": 0, "cpu": 1} and keep == [True] and not bad
+    assert counts == {"gpu": 0, "cpu": 1, "share": 0} and keep == [True] and not bad
     assert (images.int() - want.int()).abs().max() <= 3  # PIL's decode against libjpeg through torchvision
 
 
@@ -238,7 +238,7 @@ def test_an_undecodable_jpeg_is_skipped_and_the_rest_of_the_batch_survives(files
     items = [reader(files["jpeg"][0]), garbage_job(), reader(files["jpeg"][1])]
     images, keep, bad, counts = decode_batch(JpegBatch.collate(items), CPU)
     assert keep == [True, False, True] and bad == ["garbage.JPEG"] and images.shape[0] == 2
-    assert counts == {"gpu": 2, "cpu": 0}
+    assert counts == {"gpu": 2, "cpu": 0, "share": 0}
 
 
 def test_the_two_halves_make_what_decode_batch_made(files):
@@ -251,7 +251,7 @@ def test_the_two_halves_make_what_decode_batch_made(files):
     batch = JpegBatch.collate(items, [0, 1, 2, 3, 4])
     want = decode_batch(batch, CPU)
     decoded = decode_images(batch, CPU)
-    assert decoded.counts == {"gpu": 3, "cpu": 1} and decoded.images[1] is None  # not finished yet
+    assert decoded.counts == {"gpu": 3, "cpu": 1, "share": 0} and decoded.images[1] is None  # not finished yet
     got = finish_batch(decoded, CPU)
     assert torch.equal(got.images, want.images) and got.images.shape == (4, 32, 32, 3)
     assert got.keep == want.keep == [True, True, False, True, True]
@@ -275,7 +275,7 @@ def test_the_device_loader_drops_targets_of_skipped_images(files, background):
     images, targets, skipped = next(iter(loader))
     assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
     assert targets.tolist() == [3, 5] and skipped == ["unreadable.JPEG", files["bad"]]
-    assert loader.decode_counts() == {"gpu": 1, "cpu": 1} and loader.decode_counts() == {"gpu": 0, "cpu": 0}
+    assert loader.decode_counts() == {"gpu": 1, "cpu": 1, "share": 0} and loader.decode_counts() == {"gpu": 0, "cpu": 0, "share": 0}
 
 
 def test_the_reader_follows_progressive_resizing(files):
@@ -324,7 +324,7 @@ def test_a_batch_of_fallbacks_only_is_still_counted(files, background):
     for images, targets, _ in loader:
         assert images.shape == (2, 3, 32, 32)
         break  # the second batch is never taken: it must not be counted
-    assert loader.decode_counts() == {"gpu": 0, "cpu": 2}
+    assert loader.decode_counts() == {"gpu": 0, "cpu": 2, "share": 0}
 
 
 def _decoder_calling(hook):
@@ -375,7 +375,7 @@ def test_the_next_batch_decodes_while_this_one_is_finished_and_the_order_is_kept
     assert seen == list(range(10))
     assert set(calls) == {"batch-decode"} and set(finishers) == {"batch-finish"}
     assert overlapped == [True] * 4
-    assert loader.decode_counts() == {"gpu": 5, "cpu": 5} and not _pipeline_threads()
+    assert loader.decode_counts() == {"gpu": 5, "cpu": 5, "share": 0} and not _pipeline_threads()
 
 
 @pytest.mark.parametrize("stage", ["batch-decode", "batch-finish"])
@@ -427,15 +427,15 @@ def test_worker_processes_ship_jobs_through_the_real_loaders(files, tmp_path):
         shapes.add(tuple(images.shape[1:]))
         seen += targets.numel()
     assert shapes == {(3, 32, 32)} and seen == 18 and skipped == []
-    assert train.decode_counts() == {"gpu": 16, "cpu": 2}
+    assert train.decode_counts() == {"gpu": 16, "cpu": 2, "share": 0}
     stages = train.stage_account()  # the epoch's account: every stage timed, per batch
-    assert stages["batches"] == 3 and set(stages) == {"batches", *STAGES}
+    assert stages["batches"] == 3 and set(stages) == {"batches", "decode_share", *STAGES}
     assert all(stages[k] > 0 for k in ("read", "parse", "fallback", "collate", "handoff", "busy", "decode",
                                        "thread_cpu"))
     assert stages["geometry"] == stages["normalise"] == 0  # GPU times: none on a CPU
     assert train.stage_account() == {}
     total = sum(t.numel() for _, t, _ in val)
-    assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2}
+    assert total == 10 and val.decode_counts() == {"gpu": 8, "cpu": 2, "share": 0}
 
 
 cuda = pytest.mark.gpu
@@ -482,7 +482,7 @@ def test_on_the_gpu_every_image_arrives_once_with_the_cpu_paths_crop(files, tmp_
             else:
                 assert diff.mean() < 1.0 and diff.max() <= 8.5, (t, diff.mean(), diff.max())
     assert sorted(seen) == list(range(10)) and skipped == [ds.samples[10][0]]
-    assert loader.decode_counts() == {"gpu": 6, "cpu": 4}
+    assert loader.decode_counts() == {"gpu": 6, "cpu": 4, "share": 0}
     stages = loader.stage_account()
     assert stages["batches"] == 3 and stages["decode"] > 0 and stages["geometry"] > 0 and stages["normalise"] > 0
 

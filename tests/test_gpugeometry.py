@@ -127,7 +127,7 @@ def test_gpu_batches_match_pil_and_keep_every_image_and_fallback(tmp_path, monke
         items.insert(2, garbage_job())
         images, keep, bad, counts = decode_batch(JpegBatch.collate(items), torch.device("cuda"))
         assert keep == [True, True, False] + [True] * 5 and bad == ["garbage.JPEG"]
-        assert counts == {"gpu": 5, "cpu": 2} and images.shape == (7, size, size, 3)
+        assert counts == {"gpu": 5, "cpu": 2, "share": 0} and images.shape == (7, size, size, 3)
         with monkeypatch.context() as m:
             m.setattr(gpugeometry, "available", lambda device: False)
             per_image = decode_batch(JpegBatch.collate(items), torch.device("cuda"))[0]

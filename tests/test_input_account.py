@@ -133,7 +133,7 @@ def test_workers_time_their_reads_and_the_rest_and_the_batch_carries_the_sums(jp
     assert val.read_s > 0 and val.parse_s > 0
     batch = JpegBatch.collate([job, fallback])
     assert batch.worker_seconds[:3] == pytest.approx((job.read_s + fallback.read_s, job.parse_s, fallback.decode_s))
-    assert batch.worker_seconds[3] > 0  # laying the batch in its shared buffer
+    assert batch.worker_seconds[3] > 0 and batch.worker_seconds[4] == 0  # the batch laid out; no share decoded
     # a tar shard's sample was read by the dataset: its pread's time comes with it
     data, read_s = _read_bytes(SampleBytes(b"\xff\xd8bytes", "train-000000.tar@512", read_s=0.25))
     assert data == b"\xff\xd8bytes" and read_s >= 0.25
@@ -147,7 +147,8 @@ def test_the_decode_thread_accounts_its_waits_and_its_work(jpeg_and_png):
     assert sum(len(t) for _, t, _ in loader) == 6
     got = loader.stage_account()
     assert got["batches"] == 3 and got["busy"] > 0 and got["collate"] > 0 and got["finish_busy"] > 0
-    assert set(got) == {"batches", *STAGES}  # stages and the batch count, nothing else
+    assert set(got) == {"batches", "decode_share", *STAGES}  # stages, the batch count and the share, nothing else
+    assert got["decode_share"] == 0.0  # no share given: every JPEG to the decoder
     assert 0 < got["decode"] <= got["busy"] and got["thread_cpu"] > 0
     assert got["geometry"] == got["normalise"] == 0  # GPU stages: none on a CPU
     assert got["read"] == pytest.approx(1000 * batch.worker_seconds[0], abs=1e-3)  # rounded to a microsecond

@@ -42,8 +42,8 @@ def test_every_row_key_is_documented_and_no_loop_control_leaks(digits, tmp_path)
     for row in rows:
         assert set(row) <= documented_keys(), set(row) - documented_keys()
         # no --decode gpu, no --target-acc, no --compile here
-        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "input_stages", "seconds_to_target",
-                                              "compiles"}
+        assert set(row) == set(EPOCH_KEYS) - {"decoded_on_gpu", "decode_fallbacks", "decoded_by_workers", "input_stages",
+                                              "seconds_to_target", "compiles"}
 
 
 def test_optional_keys_are_left_out_when_the_run_has_none():

@@ -62,6 +62,8 @@ class Config:
     decode: str = "auto"  # cpu: workers decode; gpu: workers read bytes, nvJPEG decodes batches on the GPU;
     #                      auto (default): gpu where too few CPU cores per GPU would decode
     #                      JPEGs (imagenet/training/defaults.py)
+    decode_share: str = "auto"  # --decode gpu: the training JPEGs the workers decode instead: auto (steered
+    #                             by the decode thread's load, imagenet/data/gpu/share.py) or a fraction
     dummy: bool = False  # synthetic data of the right shape instead of files
     dummy_train_size: int = 1281167  # synthetic training images per epoch (ImageNet's count)
     dummy_val_size: int = 50000
@@ -206,6 +208,10 @@ _HELP = {
               "JPEGs and each process trains one GPU; under DataParallel only with fewer than 12 workers per GPU; "
               "else in the workers; the banner says what was chosen and why), cpu (in the data workers), gpu (the workers read files, nvJPEG decodes batches "
               "on the GPU)",
+    "decode_share": "with the GPU decode: the share of the training JPEGs the workers decode on their CPUs "
+                    "instead: auto (default: 0, rising while the GPU decode thread sets the pace and falling when "
+                    "it waits; the epoch's input line says how much they took) or a fraction from 0 (every JPEG "
+                    "on the GPU) to 1",
     "on_data_change": "what a resume in the middle of an epoch does when the training data's order changed since "
                       "its checkpoint (the image files, the shards, --seed, --shuffle-window): stop (default; exit "
                       "2) or restart-epoch (train that epoch again from its start)",
@@ -413,6 +419,19 @@ def _loss_scale_value(cfg: Config) -> Optional[float]:
     return value
 
 
+def decode_share(cfg: Config) -> Optional[float]:
+    """``--decode-share`` as a fraction, None for ``auto``; raises on a bad value."""
+    if str(cfg.decode_share).lower() == "auto":
+        return None
+    try:
+        value = float(cfg.decode_share)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise UserError(f"--decode-share is auto or a fraction from 0 to 1, got {cfg.decode_share!r}")
+    return value
+
+
 def static_loss_scale(cfg: Config) -> Optional[float]:
     """The static loss scale, or None when dynamic scaling is asked for (or implied)."""
     if cfg.dynamic_loss_scale:
@@ -489,6 +508,10 @@ def _check_input(cfg: Config) -> None:
         _need(cfg.auto_augment == "none" and cfg.random_erase == 0,
               "--auto-augment and --random-erase run on decoded images in the workers; with --decode gpu the "
               "workers never see pixels: use --decode cpu for those recipes")
+    share = decode_share(cfg)
+    _need(share is None or cfg.decode != "cpu",
+          f"--decode-share {cfg.decode_share} is the workers' share of the GPU decode's JPEGs; with --decode cpu the "
+          "workers decode every image already: drop one of the two")
     if cfg.progressive_resize is not None:
         _need(8 <= cfg.progressive_resize < cfg.image_size,
               f"--progressive-resize is the starting training crop, from 8 px to below --image-size "

@@ -146,6 +146,8 @@ class EpochRecord:
     # --decode gpu: images decoded on the GPUs, and by CPUs instead (not plain JPEGs), train and val
     decoded_on_gpu: Optional[int] = None
     decode_fallbacks: Optional[int] = None
+    # and the training JPEGs the workers decoded as their share (--decode-share)
+    decoded_by_workers: Optional[int] = None
     # --decode gpu: milliseconds per training batch in each stage of the input path, this
     # process's (imagenet.data.gpu.account), and "batches", how many it covers
     input_stages: Optional[dict] = None
@@ -153,8 +155,8 @@ class EpochRecord:
     # shape of it was compiled in an earlier epoch)
     compiles: Optional[int] = None
 
-    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks", "input_stages",
-                "seconds_to_target", "compiles")
+    OPTIONAL = ("val_loss_ema", "val_acc1_ema", "val_acc5_ema", "decoded_on_gpu", "decode_fallbacks",
+                "decoded_by_workers", "input_stages", "seconds_to_target", "compiles")
 
     def to_dict(self) -> dict:
         """The JSON row: every key, less the optional ones this run does not produce."""

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
+from ..base.config import decode_share
 from ..base.errors import UserError
 from ..base.paths import default_cache_dir
 from .gpu import jpeg as gpujpeg
@@ -23,6 +24,7 @@ from .images.cropbatch import CpuCrop, CropBatch, TrainCropReader
 from .decode import TrainDecoder, ValDecoder, path_identity
 from .images.folder import SafeImageFolder, check_layout
 from .gpu.decode import CpuDecoded, JpegBatch, JpegJob, TrainJpegReader, ValJpegReader
+from .gpu.share import DecodeShare
 from .prefetch import DeviceLoader, Normalize, is_uint8_batch
 from .shards.remote import is_url, local_copy
 from .samplers import BlockSampler, SeededSampler, ShardSampler, ShardWindowSampler
@@ -79,6 +81,7 @@ class DataBundle:
     pipeline: str = ""  # how training images are made, for the banner
     layout: str = ""  # the input format when not an image folder, for the banner
     jpeg_decoder: Optional[gpujpeg.JpegDecoder] = None  # what decodes on the GPU (--decode gpu)
+    decode_share: Optional[DecodeShare] = None  # the workers' share of the training JPEGs (--decode gpu)
     lease: Optional[Lease] = None  # on the shards' version (a URL's cached copy, the index's generation) read
 
     def close(self) -> None:
@@ -119,7 +122,7 @@ def build_datasets(cfg, root: Optional[str], val: Optional[ValGeometry] = None,
 
 def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardIndex], lease) -> DataBundle:
     classes = shards.classes if shards is not None else check_layout(root)
-    decoder = None
+    decoder = share = None
     if cfg.data_pipeline == "fast":
         # On uint8 pixels the mean colour is what erasing with 0 after normalisation gives.
         erase = (transforms.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in IMAGENET_MEAN])
@@ -129,8 +132,8 @@ def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardI
         val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize), path_identity  # never a reduced-scale decode
         pipeline = "fast: workers decode, crop, resize and flip"
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
-            decoder = gpujpeg.require()
-            train_tf, val_tf = TrainJpegReader(train_tf), ValJpegReader(val_tf)
+            decoder, share = gpujpeg.require(), DecodeShare(decode_share(cfg))
+            train_tf, val_tf = TrainJpegReader(train_tf, share), ValJpegReader(val_tf)
             pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}), "
                         "one kernel crops, resizes and flips")
         elif resize_on_device(cfg, device):  # workers decode and crop; the GPU resizes and flips
@@ -149,10 +152,10 @@ def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardI
         layout = (f"tar shards ({train.split.samples} train / {val.split.samples} val in {shards.shard_count} shards"
                   + (f"; {left_out} unreadable image(s) left out when converted, counted as skipped" if left_out else "")
                   + ")")
-        return DataBundle(train, val, classes, root, pipeline, layout, decoder, lease=lease)
+        return DataBundle(train, val, classes, root, pipeline, layout, decoder, share, lease=lease)
     train = SafeImageFolder(os.path.join(root, "train"), train_tf, loader=loader)
     val = SafeImageFolder(os.path.join(root, "val"), val_tf, loader=loader)
-    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder)
+    return DataBundle(train, val, classes, root, pipeline, jpeg_decoder=decoder, decode_share=share)
 
 
 def _shard_index(cfg, root: str) -> tuple:
@@ -254,5 +257,5 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     train_loader = DataLoader(data.train, batch_size=batch, sampler=train_sampler, drop_last=True, **common)
     val_loader = DataLoader(data.val, batch_size=batch, sampler=val_sampler, drop_last=False, **common)
     return tuple(DeviceLoader(loader, ctx.device, cfg.channels_last, IMAGENET_MEAN, IMAGENET_STD,
-                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder)
-                 for loader in (train_loader, val_loader))
+                              background=cfg.decode == "gpu", decoder=data.jpeg_decoder, share=share)
+                 for loader, share in ((train_loader, data.decode_share), (val_loader, None)))

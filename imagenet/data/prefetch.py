@@ -35,6 +35,7 @@ from .gpu import jpeg as gpujpeg
 from .images.cropbatch import CropBatch
 from .gpu.decode import DecodedJpegs, JpegBatch, decode_images, finish_batch
 from .gpu.account import InputAccount
+from .gpu.share import DecodeShare
 
 
 class Normalize:
@@ -61,7 +62,7 @@ class DeviceLoader:
 
     def __init__(self, loader, device: torch.device, channels_last: bool, mean: Sequence[float],
                  std: Sequence[float], background: bool = False, depth: int = 2,
-                 decoder: Optional[gpujpeg.JpegDecoder] = None):
+                 decoder: Optional[gpujpeg.JpegDecoder] = None, share: Optional[DecodeShare] = None):
         self.loader = loader
         self.background = background
         self.depth = depth
@@ -69,7 +70,8 @@ class DeviceLoader:
         self.channels_last = channels_last
         self.normalize = Normalize(mean, std, device)
         self.decoder = decoder  # --decode gpu's JPEG decoder (found at the first batch if None)
-        self._counts = {"gpu": 0, "cpu": 0}
+        self.share = share  # the workers' share of the JPEGs, which the decode thread steers (--decode-share auto)
+        self._counts = {"gpu": 0, "cpu": 0, "share": 0}
         self.account = InputAccount(cuda=device.type == "cuda")  # the background threads' (--decode gpu)
 
     def __len__(self) -> int:
@@ -93,8 +95,9 @@ class DeviceLoader:
         return images
 
     def decode_counts(self) -> dict:
-        """Images decoded on the device / on a CPU instead (``--decode gpu``) since the last call."""
-        counts, self._counts = self._counts, {"gpu": 0, "cpu": 0}
+        """Images decoded on the device / on a CPU instead / by the workers as their share of the JPEGs
+        (``--decode gpu``) since the last call."""
+        counts, self._counts = self._counts, {"gpu": 0, "cpu": 0, "share": 0}
         return counts
 
     def stage_account(self) -> dict:
@@ -236,12 +239,11 @@ class DeviceLoader:
                     arrived = time.perf_counter()
                     if stop.is_set():
                         return
-                    if not first:  # the first wait is the workers starting up
-                        account.add("starved", arrived - clock)
-                    first = False
+                    starved = 0.0 if first else arrived - clock  # the first wait is the workers starting up
+                    account.add("starved", starved)
                     images = batch[0]
                     if isinstance(images, JpegBatch):
-                        account.batch(images.worker_seconds, images.handoff)
+                        account.batch(images.worker_seconds, images.handoff, len(images), images.shared)
                     else:
                         account.batch()
                     item = ("batch", self._decode(batch), _recorded(stream))
@@ -252,6 +254,9 @@ class DeviceLoader:
                     del item  # the finishing thread's now: its images are freed when it is done
                     clock = time.perf_counter()
                     account.add("ahead", clock - made)  # room only once the finishing thread took the last
+                    if self.share is not None and not first:
+                        self.share.observe(made - arrived, starved + clock - made)
+                    first = False
                     account.add("thread_cpu", time.thread_time() - cpu)
                     cpu = time.thread_time()
             _offer(decoded, ("end", None, None), stop)

@@ -517,15 +517,14 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
 
 
 def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:
-    """--decode gpu: this epoch's images decoded on the GPUs / on CPUs instead, train and val, all
-    ranks (every rank calls this)."""
+    """--decode gpu: this epoch's images decoded on the GPUs / on CPUs instead / by the workers as
+    their share of the JPEGs, train and val, all ranks (every rank calls this)."""
     if cfg.decode != "gpu":
         return {}
     counts = [loader.decode_counts() for loader in (train_loader, val_loader)]
-    both = torch.tensor([float(sum(c["gpu"] for c in counts)), float(sum(c["cpu"] for c in counts))],
-                        device=ctx.device)
-    gpu, cpu = distributed.all_reduce_sum(both, ctx).tolist()
-    return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu)}
+    sums = torch.tensor([float(sum(c[k] for c in counts)) for k in ("gpu", "cpu", "share")], device=ctx.device)
+    gpu, cpu, share = distributed.all_reduce_sum(sums, ctx).tolist()
+    return {"decoded_on_gpu": int(gpu), "decode_fallbacks": int(cpu), "decoded_by_workers": int(share)}
 
 
 def exceeds_bad_fraction(count: int, total: int, limit: float) -> bool:

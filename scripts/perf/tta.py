@@ -67,6 +67,10 @@ ROWS = {
     "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 px twice, then 192 px, validation, "
                 "checkpoints", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 4"),
     "jpeg-j8": ("the same with -j 8", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 8"),
+    "jpeg-j8-gpu-only": ("the same with every JPEG decoded on the GPU (--decode-share 0: the workers take no share)",
+                         f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 8 --decode-share 0"),
+    "jpeg-sizes-j8-gpu-only": ("jpeg-sizes-j8 with every JPEG decoded on the GPU (--decode-share 0)",
+                               f"main.py JPEG -a resnet50 -b 256 --fp16 {SIZES_FILES} -j 8 --decode-share 0"),
     "jpeg-sizes-j8": ("the typed command from JPEG files, -j 8, at 128 (twice), 160, 192 and 224 px (against sizes-b256)",
                       f"main.py JPEG -a resnet50 -b 256 --fp16 {SIZES_FILES} -j 8"),
     "jpeg-sizes-j4": ("the same with -j 4", f"main.py JPEG -a resnet50 -b 256 --fp16 {SIZES_FILES} -j 4"),
@@ -80,7 +84,8 @@ ROWS = {
 # the projection's rows first: a call past --budget leaves out the last
 DEFAULT_ROWS = "recipe,jpeg-j8,sizes-b256,jpeg-sizes-j8,jpeg-j4,jpeg-sizes-j4,typed-160,blur,sizes-b512"
 # each files row against the synthetic row of its batch and sizes, side by side in the call
-FILES_AGAINST = {"jpeg-j4": "recipe", "jpeg-j8": "recipe", "jpeg-sizes-j4": "sizes-b256", "jpeg-sizes-j8": "sizes-b256"}
+FILES_AGAINST = {"jpeg-j4": "recipe", "jpeg-j8": "recipe", "jpeg-j8-gpu-only": "recipe", "jpeg-sizes-j4": "sizes-b256",
+                 "jpeg-sizes-j8": "sizes-b256", "jpeg-sizes-j8-gpu-only": "sizes-b256"}
 # FFCV's published runs (libffcv/ffcv-imagenet README, assets/agg.csv): epochs -> (top-1 %, minutes)
 FFCV_RN50 = {16: (73.8, 14.9), 24: (75.6, 21.7), 32: (76.6, 28.7), 40: (77.2, 35.6), 56: (78.0, 49.4), 88: (78.4, 77.2)}
 FFCV_RN18 = {16: (66.9, 35.0), 24: (68.8, 51.6), 32: (70.0, 68.9), 40: (70.6, 85.5), 56: (71.3, 119.4),
@@ -99,7 +104,11 @@ def epochs_of(rows: list) -> list:
     out = []
     for r in rows:
         rate = r["img_per_s"] or float("nan")
+        stages = r.get("input_stages") or {}
+        busy = sum(stages.get(k, 0.0) for k in ("starved", "busy", "ahead"))
         out.append({"size": r["image_size"], "img_per_s": r["img_per_s"], "wait": r["data_wait_frac"],
+                    # --decode gpu: the workers' share of the JPEGs, the decode thread's busy fraction
+                    "share": stages.get("decode_share"), "busy": stages.get("busy", 0.0) / busy if busy else None,
                     "compiles": r.get("compiles"), "train_s": r["train_seconds"],
                     "overhead": max(r["train_seconds"] - r["train_samples"] / rate, 0.0),
                     "val_s": r.get("val_seconds", 0.0), "val_samples": r["val_samples"],
@@ -216,15 +225,17 @@ def fmt(x, spec=",.0f"):
 
 def print_tables(results: dict, root: str = REPO) -> list:
     """Every table of the call's ``results`` (rows.json); returns the projection's rows."""
-    print("\n| row | size px | img/s | input wait | compiles | first step s | val img/s | checkpoint s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| row | size px | img/s | input wait | compiles | first step s | val img/s | checkpoint s | workers' share "
+          "| decode thread busy |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
         for i, e in enumerate(r.get("epochs", [])):
             first = r.get("first_steps", {})
             step = first.get(str(e["size"]), first.get(e["size"])) if i else first.get("0", first.get(0))
             val = e["val_samples"] / e["val_s"] if e["val_s"] else None
             print(f"| {name} | {e['size']} | {fmt(e['img_per_s'])} | {fmt(e['wait'], '.3f')} | {fmt(e['compiles'], 'd')}"
-                  f" | {fmt(step, '.1f')} | {fmt(val)} | {fmt(e['ckpt'], '.1f')} |")
+                  f" | {fmt(step, '.1f')} | {fmt(val)} | {fmt(e['ckpt'], '.1f')} | {fmt(e.get('share'), '.3f')} "
+                  f"| {fmt(e.get('busy'), '.3f')} |")
     files_rows = files_against(results)
     if files_rows:
         print("\nfrom files against synthetic data, each size's last epoch (the first epoch of a run is left out)")

@@ -27,8 +27,9 @@ import torch
 
 # read: reading the files (a tar shard's sample: its pread), where a slow disk shows; parse: the JPEG
 # header, the crop and flip draw; fallback: decoding on the worker's CPU what the GPU does not take
-# (PNG, CMYK, progressive, EXIF-rotated); collate: laying the batch in its shared-memory buffer
-WORKER_STAGES = ("read", "parse", "fallback", "collate")
+# (PNG, CMYK, progressive, EXIF-rotated); collate: laying the batch in its shared-memory buffer; share:
+# decoding the workers' share of the JPEGs (imagenet.data.gpu.share)
+WORKER_STAGES = ("read", "parse", "fallback", "collate", "share")
 # starved: waiting for the workers' next batch (the hand-off included); busy: decoding the batch
 # (the decoder call, the CPU's decode of the JPEGs it refused); ahead: waiting for the finishing
 # thread to take it, batches decoded before they are wanted
@@ -56,13 +57,18 @@ class InputAccount:
         self._lock = threading.Lock()
         self._sums = dict.fromkeys(STAGES, 0.0)
         self._batches = 0
+        self._images = self._shared = 0  # images that came, and of them the workers' share of the JPEGs
         self._events: collections.deque = collections.deque()  # (stage, start, end) not yet read
 
-    def batch(self, worker_seconds: Optional[Sequence[float]] = None, handoff: float = 0.0) -> None:
-        """One batch arrived; ``worker_seconds``: its worker's (read, parse, fallback, collate);
-        ``handoff``: the seconds unpickling it here."""
+    def batch(self, worker_seconds: Optional[Sequence[float]] = None, handoff: float = 0.0, images: int = 0,
+              shared: int = 0) -> None:
+        """One batch arrived; ``worker_seconds``: its worker's (read, parse, fallback, collate,
+        share); ``handoff``: the seconds unpickling it here; ``images`` in it, ``shared`` of them
+        the workers' share of the JPEGs."""
         with self._lock:
             self._batches += 1
+            self._images += images
+            self._shared += shared
             self._sums["handoff"] += handoff
             for stage, s in zip(WORKER_STAGES, worker_seconds or ()):
                 self._sums[stage] += s
@@ -91,18 +97,20 @@ class InputAccount:
         self._sums[stage] += start.elapsed_time(end) / 1000.0
 
     def take(self) -> dict:
-        """``{"batches": n, stage: milliseconds per batch, ...}`` since the last call; empty
-        before any batch. Waits for the GPU events still pending, an epoch's last few."""
+        """``{"batches": n, stage: milliseconds per batch, ..., "decode_share": the fraction of the
+        images the workers decoded as their share}`` since the last call; empty before any batch.
+        Waits for the GPU events still pending, an epoch's last few."""
         with self._lock:
             while self._events:
                 stage, start, end = self._events.popleft()
                 end.synchronize()
                 self._read(stage, start, end)
-            sums, n = self._sums, self._batches
-            self._sums, self._batches = dict.fromkeys(STAGES, 0.0), 0
+            sums, n, images, shared = self._sums, self._batches, self._images, self._shared
+            self._sums, self._batches, self._images, self._shared = dict.fromkeys(STAGES, 0.0), 0, 0, 0
         if not n:
             return {}
-        return {"batches": n, **{k: round(1000.0 * v / n, 3) for k, v in sums.items()}}
+        return {"batches": n, **{k: round(1000.0 * v / n, 3) for k, v in sums.items()},
+                "decode_share": round(shared / images, 4) if images else 0.0}
 
 
 def worker_ms(stages: dict) -> float:
@@ -154,13 +162,15 @@ def describe(stages: dict, workers: int) -> str:
     decode = (f": decoder call {g('decode', 0):.1f} ms, {g('decode_cpu', 0):.1f} of it on the CPU"
               if g("decode", 0) else "")
     handoff = f" (hand-off {g('handoff', 0):.1f} ms/batch)" if g("handoff", 0) else ""
+    share = (f", decode their share of the JPEGs ({100 * g('decode_share', 0):.0f}% of the images) "
+             f"{g('share', 0):.1f} ms/batch" if g("decode_share", 0) else "")
     finish = (f"; finishing thread busy {g('finish_busy', 0):.1f} ms/batch, waiting for room "
               f"{g('finish_ahead', 0):.1f} ms/batch" if g("finish_busy", 0) else "")
     gpu = (f"; on the GPU: geometry {g('geometry', 0):.2f} ms/batch, normalise {g('normalise', 0):.2f} ms/batch"
            if g("geometry", 0) or g("normalise", 0) else "")
     wait = f"; training thread waited {g('train_wait', 0):.1f} ms/batch" if g("train_wait", 0) else ""
     return (f"workers read {g('read', 0):.1f} ms/batch, parse headers and draw crops {g('parse', 0):.1f} ms/batch, "
-            f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')} (one worker's time for a "
+            f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')}{share} (one worker's time for a "
             f"batch; {workers} worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% "
             f"({g('busy', 0):.1f} ms/batch{decode}), waiting for workers {100 * starved:.0f}%{handoff}, waiting for "
             f"room {100 * ahead:.0f}%{part('CPU', 'thread_cpu')}{finish}{gpu}{wait} ({stages['batches']} batches)")

@@ -18,7 +18,8 @@ Fallbacks, counted per epoch: files the GPU decoder does not take as they are (n
 or greyscale, progressive: the hardware engines take baseline JPEGs only; EXIF-rotated: TorchCodec
 would turn them, the CPU path does not) are decoded in the worker as on the CPU path; a JPEG the
 decoder rejects is decoded on the CPU in the training process; a file neither can read is
-skipped like any unreadable image.
+skipped like any unreadable image. The workers' share of the JPEGs (:mod:`.share`) takes the
+fallbacks' path, counted apart.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ...kernels import gpugeometry
 from . import jpeg as gpujpeg
 from ..decode import TrainDecoderReader
 from .account import InputAccount
+from .share import Credit, DecodeShare
 
 _JPEG_MODES = ("RGB", "L")  # what nvJPEG decodes to RGB reliably; CMYK/YCCK go to the CPU
 _ORIENTATION = 0x0112  # the EXIF tag
@@ -62,11 +64,13 @@ class JpegJob:
 
 @dataclass
 class CpuDecoded:
-    """An image the worker decoded itself (not a plain JPEG): uint8 HWC, counted as a fallback."""
+    """An image the worker decoded itself: uint8 HWC, a fallback (not a plain JPEG) or one of the
+    workers' share of the JPEGs."""
 
     image: torch.Tensor
     read_s: float = 0.0  # seconds the worker spent reading the file
     decode_s: float = 0.0  # and decoding it
+    shared: bool = False  # a JPEG the GPU would take, decoded here as one of the workers' share
 
 
 def _read_bytes(src) -> tuple:
@@ -100,15 +104,21 @@ def _gpu_decodable(img: Image.Image) -> bool:
 
 class TrainJpegReader(TrainDecoderReader):
     """Worker side of the training transform: path (or a shard's sample) -> JpegJob, or the CPU
-    decoder's image (the same crop distribution, the same RNG draws)."""
+    decoder's image (the same crop distribution, the same RNG draws): a fallback, or one of the
+    workers' share of the JPEGs (``share``: :mod:`.share`; None: every JPEG goes to the GPU)."""
+
+    def __init__(self, cpu_decoder, share: Optional[DecodeShare] = None):
+        super().__init__(cpu_decoder)
+        self.credit = Credit(share)
 
     def __call__(self, path):
         data, read_s = _read_bytes(path)
         start = time.perf_counter()
         with Image.open(io.BytesIO(data)) as img:
-            if not _gpu_decodable(img):  # decoded here from the same bytes: counted as a fallback
+            decodable = _gpu_decodable(img)
+            if not decodable or self.credit.take():  # decoded here from the same bytes
                 image = self.cpu.decode(img, *self.cpu.draw(img))  # what self.cpu(path) does
-                return CpuDecoded(image, read_s, time.perf_counter() - start)
+                return CpuDecoded(image, read_s, time.perf_counter() - start, shared=decodable)
             box, flip = self.cpu.draw(img)
             width, height = img.size
         return JpegJob(data, _name(path), "train", box, self.cpu.size, flip, (height, width), read_s,
@@ -162,17 +172,18 @@ def _sections(jobs: int, fallbacks: int, size: int) -> tuple:
 class JpegBatch:
     """A collated batch in one buffer (one file descriptor to the training process, where each
     further tensor costs a round trip to the worker): the targets, the geometry kernel's table
-    for the JPEGs, its scales, the images the workers decoded themselves (fallbacks) and the
-    JPEGs' bytes end to end. Rows (the table's ``ROW`` column, ``ready_rows``) are places in
+    for the JPEGs, its scales, the images the workers decoded themselves (fallbacks and their
+    share of the JPEGs) and the JPEGs' bytes end to end. Rows (the table's ``ROW`` column, ``ready_rows``) are places in
     the batch, the targets' order. ``targets``, ``ints``, ``scales``, ``ready`` and ``data``
     view the blob."""
 
     blob: torch.Tensor  # uint8
     lengths: list  # bytes of each JPEG
-    ready_rows: list  # places of the fallbacks
+    ready_rows: list  # places of the images the workers decoded
     size: int  # output pixels a side
     paths: list  # of the JPEGs, for the report of unreadable ones
-    worker_seconds: tuple = ()  # the workers' (read, parse, fallback, collate) over the batch
+    worker_seconds: tuple = ()  # the workers' (read, parse, fallback, collate, share) over the batch
+    shared: int = 0  # of the images the workers decoded, those of their share of the JPEGs
     handoff: float = 0.0  # seconds unpickling it in the training process (set on arrival)
 
     def __post_init__(self):
@@ -194,7 +205,7 @@ class JpegBatch:
 
     def __reduce__(self):
         return _unpickled, (_Clock(), self.blob, self.lengths, self.ready_rows, self.size, self.paths,
-                            self.worker_seconds)
+                            self.worker_seconds, self.shared)
 
     @staticmethod
     def collate(items: list, targets: Optional[list] = None) -> "JpegBatch":
@@ -208,7 +219,8 @@ class JpegBatch:
         size = jobs[0][1].out if jobs else fallbacks[0][1].image.shape[0]
         total = _sections(len(jobs), len(fallbacks), size)[-1] + sum(lengths)
         blob = shared_bytes(total) if get_worker_info() is not None else torch.empty(total, dtype=torch.uint8)
-        batch = JpegBatch(blob, lengths, [row for row, _ in fallbacks], size, [job.path for _, job in jobs])
+        batch = JpegBatch(blob, lengths, [row for row, _ in fallbacks], size, [job.path for _, job in jobs],
+                          shared=sum(f.shared for _, f in fallbacks))
         samplings = [gpugeometry.Sampling.train(job.box, job.out) if job.kind == "train"
                      else gpugeometry.Sampling.val(*job.size, job.box) for _, job in jobs]
         ints, scales = gpugeometry.table([job.size for _, job in jobs], samplings, [job.flip for _, job in jobs],
@@ -223,8 +235,9 @@ class JpegBatch:
             buffer[offset:offset + n] = job.data
             offset += n
         read = sum(job.read_s for _, job in jobs) + sum(f.read_s for _, f in fallbacks)
-        batch.worker_seconds = (read, sum(job.parse_s for _, job in jobs), sum(f.decode_s for _, f in fallbacks),
-                                time.perf_counter() - start)
+        decoded = [sum(f.decode_s for _, f in fallbacks if f.shared == shared) for shared in (False, True)]
+        batch.worker_seconds = (read, sum(job.parse_s for _, job in jobs), decoded[0], time.perf_counter() - start,
+                                decoded[1])
         return batch
 
 
@@ -254,7 +267,7 @@ class Decoded(NamedTuple):
     images: torch.Tensor  # uint8 NHWC of the readable items, in batch order
     keep: list  # bool per item of the batch: whether it made it
     bad: list  # paths of the unreadable ones
-    counts: dict  # {"gpu": decoded on the device, "cpu": fallbacks decoded on a CPU}
+    counts: dict  # {"gpu": decoded on the device, "cpu": fallbacks decoded on a CPU, "share": the workers' share}
 
 
 class DecodedJpegs(NamedTuple):
@@ -262,7 +275,7 @@ class DecodedJpegs(NamedTuple):
 
     batch: JpegBatch
     images: list  # per JPEG of the batch: CHW uint8 on the device, None where nothing could read it
-    counts: dict  # {"gpu": decoded by the decoder, "cpu": decoded on a CPU (the workers' and ours)}
+    counts: dict  # {"gpu": by the decoder, "cpu": fallbacks on a CPU (the workers' and ours), "share": as above}
 
 
 def decode_images(batch: JpegBatch, device: torch.device, decoder: Optional[gpujpeg.JpegDecoder] = None,
@@ -276,7 +289,7 @@ def decode_images(batch: JpegBatch, device: torch.device, decoder: Optional[gpuj
     images = decoder.decode(views, device)
     account.add("decode", time.perf_counter() - t0)
     account.add("decode_cpu", time.thread_time() - c0)
-    counts = {"gpu": len(images), "cpu": len(batch.ready_rows)}
+    counts = {"gpu": len(images), "cpu": len(batch.ready_rows) - batch.shared, "share": batch.shared}
     # the kernel reads each image as the header said, in CHW planes: an image of another shape (a
     # decoder that turned it after all) is decoded again on the CPU, as a refused one is
     sizes = batch.ints[:, gpugeometry.HEIGHT:gpugeometry.WIDTH + 1].tolist()
