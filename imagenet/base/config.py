@@ -596,9 +596,6 @@ def _check_companions(cfg: Config) -> None:
           "has none: choose one of those schedules, or drop them")
     _need(cfg.lr_schedule == "poly" or "lr_poly_power" not in given,
           "--lr-poly-power is the poly decay's exponent: add --lr-schedule poly, or drop it")
-    _need(not cfg.blurpool or (cfg.bn_kernel in ("auto", "torch") and cfg.maxpool_kernel in ("auto", "torch")),
-          "--blurpool with our kernels (--bn-kernel triton or cudnn, --maxpool-kernel triton) failed its GPU test "
-          "against torch's modules (docs/PERFORMANCE.md): drop those flags, and --blurpool runs on torch's")
     _need(cfg.progressive_resize is not None or "progressive_step" not in given,
           "--progressive-step rounds --progressive-resize's sizes: add --progressive-resize MIN_SIZE, or drop it")
 

@@ -131,13 +131,6 @@ def resolved(cfg: Config, ctx) -> Config:
     return resolve(cfg, Machine.of(ctx, cfg.decode, cfg.data, cfg.bn_kernel, cfg.half_dtype)).apply(cfg)
 
 
-# Measured on an H100: ResNet-18 with the blur on our max-pool and fused BatchNorm kernels gave the
-# stem's weight gradient 10% off the same model on torch's modules (the bound is 5%), eager and
-# under CUDA graphs; until that is explained --blurpool takes torch's modules.
-_BLUR_UNVERIFIED = ("--blurpool with our kernels failed its GPU test against torch's modules (the stem's weight "
-                    "gradient 10% off); torch's run it")
-
-
 def _compile_fallback(cfg: Config, machine: Machine) -> Optional[str]:
     """Why ``--compile auto`` does not compile here (None: it compiles)."""
     if machine.device != "cuda":
@@ -175,8 +168,6 @@ def _bn_fallback(cfg: Config, machine: Machine, channels_last: bool) -> Optional
         return "--sync-bn needs torch's SyncBatchNorm (the kernels compute per-process statistics)"
     if cfg.deterministic:
         return "--deterministic runs torch's own deterministic kernels"
-    if cfg.blurpool:
-        return _BLUR_UNVERIFIED
     return None
 
 
@@ -231,11 +222,7 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     maxpool = cfg.maxpool_kernel
     if maxpool == "auto":
         maxpool = "triton" if gpu and machine.triton and channels_last and not cfg.small_stem else "torch"
-        if maxpool == "triton" and cfg.blurpool:
-            maxpool = "torch"
-            choices.append(Choice("stem max-pool on torch's kernel", _BLUR_UNVERIFIED,
-                                  "--maxpool-kernel triton asks for ours"))
-        elif maxpool == "triton":
+        if maxpool == "triton":
             choices.append(Choice("stem max-pool on Triton kernels", "2.7 -> 0.7 ms a ResNet-50 step",
                                   "--maxpool-kernel torch"))
 
