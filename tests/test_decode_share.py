@@ -143,3 +143,21 @@ def test_worker_processes_take_the_share_and_follow_its_changes(jpeg_and_png, tm
     assert stages["decode_share"] == pytest.approx(counts["share"] / 18, abs=1e-4) and stages["share"] > 0
     train.close()
     val.close()
+
+
+def test_deterministic_runs_keep_every_jpeg_on_the_gpu():
+    from imagenet.base.config import decode_share
+    assert decode_share(parse_config(["DIR", "--deterministic"])) == 0.0
+    assert decode_share(parse_config(["DIR"])) is None
+    assert decode_share(parse_config(["DIR", "--deterministic", "--decode-share", "0.4"])) == 0.4
+    validate(parse_config(["DIR", "--deterministic", "--decode", "cpu"]))  # auto stays quiet beside the workers' decode
+    with pytest.raises(UserError, match="--decode-share is auto or a fraction"):
+        validate(Config(decode_share=None))  # a config file's null
+
+
+def test_synthetic_data_decodes_nothing_and_counts_no_share(tmp_path):
+    """--dummy with --decode gpu asked for: the epoch's counts (runner._decode_counts) have the share's key."""
+    from imagenet.data.synthetic import SyntheticDataset, SyntheticLoader
+    loader = SyntheticLoader(SyntheticDataset(8, 2, 16, seed=1), samples=8, drop_last=True,
+                             device=torch.device("cpu"), channels_last=False, batch=4)
+    assert loader.decode_counts() == {"gpu": 0, "cpu": 0, "share": 0}

@@ -285,7 +285,7 @@ def test_the_gpu_decode_says_the_workers_take_a_share_and_how_to_stop_it():
                                    "pace: one thread makes the GPU decoder's calls")
         assert share[0].endswith("(--decode-share 0 keeps every JPEG on the GPU)")
     for argv in (["DIR", "--decode-share", "0"], ["DIR", "--decode-share", "0.3"], ["DIR", "--decode", "cpu"],
-                 ["--dummy"]):
+                 ["--dummy"], ["--dummy", "--decode", "gpu"], ["DIR", "--deterministic"]):
         assert "--decode-share" not in lines(plan_of(argv, machine(16))), argv
     # a share of a decode the workers do alone is said to be unused, with the reason
     plan = plan_of(["DIR", "--decode-share", "0.3"], machine(16, jpeg=False))

@@ -420,12 +420,13 @@ def _loss_scale_value(cfg: Config) -> Optional[float]:
 
 
 def decode_share(cfg: Config) -> Optional[float]:
-    """``--decode-share`` as a fraction, None for ``auto``; raises on a bad value."""
+    """``--decode-share`` as a fraction, None for ``auto`` (0 under ``--deterministic``, whose runs
+    repeat pixel for pixel); raises on a bad value."""
     if str(cfg.decode_share).lower() == "auto":
-        return None
+        return 0.0 if cfg.deterministic else None
     try:
         value = float(cfg.decode_share)
-    except ValueError:
+    except (TypeError, ValueError):
         value = float("nan")
     if not 0 <= value <= 1:
         raise UserError(f"--decode-share is auto or a fraction from 0 to 1, got {cfg.decode_share!r}")
@@ -508,8 +509,8 @@ def _check_input(cfg: Config) -> None:
         _need(cfg.auto_augment == "none" and cfg.random_erase == 0,
               "--auto-augment and --random-erase run on decoded images in the workers; with --decode gpu the "
               "workers never see pixels: use --decode cpu for those recipes")
-    share = decode_share(cfg)
-    _need(share is None or cfg.decode != "cpu",
+    decode_share(cfg)  # a fraction or auto
+    _need(str(cfg.decode_share).lower() == "auto" or cfg.decode != "cpu",
           f"--decode-share {cfg.decode_share} is the workers' share of the GPU decode's JPEGs; with --decode cpu the "
           "workers decode every image already: drop one of the two")
     if cfg.progressive_resize is not None:

@@ -64,7 +64,7 @@ class SyntheticLoader:
         self.start = samples_done // self.batch_size
 
     def decode_counts(self) -> dict:
-        return {"gpu": 0, "cpu": 0}
+        return {"gpu": 0, "cpu": 0, "share": 0}
 
     def close(self) -> None:
         """Nothing to end: no workers."""

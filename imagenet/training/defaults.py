@@ -290,12 +290,12 @@ def resolve(cfg: Config, machine: Machine) -> SpeedPlan:
     if cfg.decode == "auto" and not cfg.dummy and gpu:  # a CPU run decodes in its workers, as it always did
         choices.append(Choice(decode.what, decode.why, decode.flag))
     share = decode_share(cfg)
-    if decode.decode == "gpu" and share is None:
+    if decode.decode == "gpu" and share is None and not cfg.dummy:
         choices.append(Choice("the workers decode a share of the training JPEGs while the GPU decode sets the pace",
                               "one thread makes the GPU decoder's calls, and at small sizes it can fall behind the "
                               "step while the workers have CPU to spare; the share starts at 0 and follows that "
                               "thread's load", "--decode-share 0 keeps every JPEG on the GPU"))
-    elif decode.decode == "cpu" and share is not None:
+    elif decode.decode == "cpu" and str(cfg.decode_share).lower() != "auto":
         notes.append(f"--decode-share {cfg.decode_share} is left unused: the workers decode every image ({decode.why})")
     return SpeedPlan(channels_last, maxpool, bn, compile_mode, tune, decode.decode, optimizer_impl, tuple(choices),
                      tuple(notes))

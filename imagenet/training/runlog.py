@@ -199,9 +199,11 @@ def input_hint(cfg, *, cuda: bool, cpus: int, processes: int = 1, stages: Option
                     f"the {workers}, which spent {g('read', 0):.0f} of their {work:.0f} ms a batch reading files (the "
                     "storage, or a dataset larger than the page cache); "
                     + (f"try {more}, or" if more else "try") + " the dataset on faster or local storage")
+        share = (f", their share of the JPEGs {g('share', 0):.0f} (--decode-share {cfg.decode_share})"
+                 if g("share", 0) else "")
         return (f"the CPU workers were the limit: the GPU decoding stage waited {g('starved', 0):.0f} ms a batch for "
                 f"the {workers} ({work:.0f} ms of work a batch each: reading {g('read', 0):.0f}, headers and crop "
-                f"draws {g('parse', 0):.0f}, CPU fallbacks {g('fallback', 0):.0f}); "
+                f"draws {g('parse', 0):.0f}, CPU fallbacks {g('fallback', 0):.0f}{share}); "
                 + (f"try {more}" if more else every_cpu))
     tips = [more] if more else []
     if cuda and not cfg.dummy and cfg.decode == "cpu" and cfg.data_pipeline == "fast" \

@@ -278,7 +278,8 @@ def trainer_loader(args, device: torch.device, batches: int, pipeline: str):
                                         num_workers=args.workers, collate_fn=collate_for(device), drop_last=True,
                                         pin_memory=device.type == "cuda", persistent_workers=False,
                                         prefetch_factor=PREFETCH if args.workers else None),
-                             device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu"))
+                             device, True, IMAGENET_MEAN, IMAGENET_STD, background=pipeline == "gpu",
+                             share=data.decode_share))
 
 
 def bench_data(args, train_defaults: argparse.Namespace) -> int:

@@ -78,7 +78,7 @@ def main() -> int:
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
             seconds = getattr(images, "worker_seconds", ())
-            if len(seconds) == 4:
+            if len(seconds) >= 4:  # (read, parse, fallback, collate, share)
                 collate.append(seconds[3])
         del it
         return statistics.median(cpu), statistics.median(wall), statistics.median(collate) if collate else None

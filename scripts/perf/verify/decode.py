@@ -23,7 +23,7 @@ def _median_stages(rows: list) -> dict:
     accounts = [r["input_stages"] for r in rows if r.get("input_stages")]
     if not accounts:
         return {}
-    keys = [k for k in accounts[0] if k != "batches"]
+    keys = [k for k in accounts[0] if k not in ("batches", "decode_share")]  # milliseconds a batch only
     return {k: statistics.median(a.get(k, 0.0) for a in accounts) for k in keys}
 
 

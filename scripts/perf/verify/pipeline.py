@@ -51,8 +51,8 @@ def phase_jpeg(args) -> None:
     for name, cmd, env in runs:
         results.append(run_one(name, cmd, env, args))
         print(tail(os.path.join(args.out, name, "log.txt"), 8), flush=True)
-    print("\n| run | train img/s per epoch | median | decoded on GPU | CPU fallbacks |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("\n| run | train img/s per epoch | median | decoded on GPU | CPU fallbacks | the workers' share |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for r in results:
         if r["name"] == "data-pipelines":
             continue
@@ -60,7 +60,8 @@ def phase_jpeg(args) -> None:
         rates = ", ".join(f"{x['img_per_s']:.0f}" for x in rows)
         gpu = sum(x.get("decoded_on_gpu", 0) for x in rows)
         cpu = sum(x.get("decode_fallbacks", 0) for x in rows)
-        print(f"| {r['name']} | {rates or 'FAILED'} | {r['img_per_s'] or 0:.0f} | {gpu} | {cpu} |")
+        share = sum(x.get("decoded_by_workers", 0) for x in rows)
+        print(f"| {r['name']} | {rates or 'FAILED'} | {r['img_per_s'] or 0:.0f} | {gpu} | {cpu} | {share} |")
     print_commands(results)
 
 
