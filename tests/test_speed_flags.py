@@ -300,6 +300,26 @@ def test_largebatch_variants_scale_the_recipes_rate():
     assert largebatch_flags("sgd-b2048-sqrt", 0.05) == "-b 2048 --lr=0.2 --warmup-epochs 2"
     assert largebatch_flags("lars-b2048-lr10-poly", 0.05) == (
         "-b 2048 --lr-schedule poly --lr-poly-power 2 --lr-end 0.0001 --lr=10 --warmup-epochs 2 --optimizer lars")
+    # MLPerf's weight decay for LARS, a warm-up of one epoch
+    assert largebatch_flags("lars-b2048-lr10-poly-wd0.00005-w1", 0.05) == (
+        "-b 2048 --lr-schedule poly --lr-poly-power 2 --lr-end 0.0001 --wd 5e-05 --lr=10 --warmup-epochs 1 "
+        "--optimizer lars")
+    assert largebatch_flags("sgd-b128-w3", 0.05) == "-b 128 --lr=0.05 --warmup-epochs 3"
+
+
+def test_a_phase_starts_at_most_max_runs_at_once(tmp_path):
+    """gpu_verify's --max-runs: the next run starts as one ends, and results keep the runs' order."""
+    import argparse
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
+    from verify.common import run_group
+    stamp = (f"{sys.executable} -c \"import time; open('OUT/span', 'w').write(str(time.time())); time.sleep(0.6); "
+             "open('OUT/span', 'a').write(' ' + str(time.time()))\"")
+    runs = [{"name": f"r{k}", "cmd": stamp} for k in range(5)]
+    results = run_group(runs, argparse.Namespace(out=str(tmp_path), max_runs=2))
+    assert [r["name"] for r in results] == [f"r{k}" for k in range(5)] and all(r["rc"] == 0 for r in results)
+    spans = [tuple(map(float, (tmp_path / f"r{k}" / "span").read_text().split())) for k in range(5)]
+    most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert most == 2, spans
 
 
 def test_every_recipe_variant_is_flags_main_accepts_with_the_stem_recipe():

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Fashion-MNIST's IDX files, to make --data from")
     g.add_argument("--epochs", type=int, default=8, help="epochs of the Fashion-MNIST recipe's runs")
     g.add_argument("--workers", type=int, default=6, help="loader workers (-j) of the runs that take them")
+    g.add_argument("--max-runs", type=int, default=0,
+                   help="runs a phase starts at once, the next as one ends (0: all at once; on an 80 GB card 21 "
+                        "Fashion-MNIST runs at once could not all create their CUDA context)")
     g.add_argument("--jpeg-per-class", type=int, default=300,
                    help="jpeg, scaling: training JPEGs per class (100 classes) in the benchmark folder they make")
     g = p.add_argument_group("test suites (smoke, suite)")
@@ -92,8 +95,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", default="0",
                    help="recipe, shrink, largebatch: seeds to run each variant with, e.g. 0,1,2")
     g.add_argument("--largebatch-variants", default="sgd-b128,sgd-b2048-linear,sgd-b2048-sqrt,lars-b2048-lr10-poly",
-                   help="largebatch: OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly] each (--lr is the rate at batch 128; "
-                        "linear and sqrt scale it; poly: MLPerf's decay)")
+                   help="largebatch: OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly][-wdX][-wN] each (--lr is the rate at "
+                        "batch 128; linear and sqrt scale it; poly: MLPerf's decay; wdX: weight decay X, a plain "
+                        "decimal; wN: N warm-up epochs)")
     g.add_argument("--shrink-store", type=int, default=112, help="shrink: px the JPEGs are stored at")
     g.add_argument("--shrink-size", type=int, default=56, help="shrink: px they are trained and validated at")
     g.add_argument("--shrink-pipelines", default="classic,cpu,gpu", help=f"shrink: of {','.join(accuracy.SHRINK_PIPELINES)}")

@@ -214,16 +214,19 @@ LARGE_BATCH_BASE = 128  # the recipe's batch (recipe_cmd's -b), which --lr is th
 
 
 def largebatch_flags(name: str, base_lr: float) -> str:
-    """main.py flags of a large-batch variant ``OPTIMIZER-bBATCH[-RATE][-poly]``: OPTIMIZER sgd or
-    lars; RATE linear (--lr x batch / 128), sqrt (x its square root) or lr<X> (X itself; default: the
-    recipe's rate); poly: MLPerf's decay (power 2 to 1e-4) instead of the recipe's cosine. A batch
-    above the recipe's warms up over 2 epochs (the recipe: 1). A bad name ends the phase (exit 2)."""
+    """main.py flags of a large-batch variant ``OPTIMIZER-bBATCH[-RATE][-poly][-wdX][-wN]``: OPTIMIZER
+    sgd or lars; RATE linear (--lr x batch / 128), sqrt (x its square root) or lr<X> (X itself;
+    default: the recipe's rate); poly: MLPerf's decay (power 2 to 1e-4) instead of the recipe's
+    cosine; wd<X>: weight decay X, a plain decimal (MLPerf's LARS: wd0.00005) instead of the recipe's; w<N>: N warm-up
+    epochs. A batch above the recipe's warms up over 2 epochs by default (the recipe: 1). A bad
+    name ends the phase (exit 2)."""
     parts = name.split("-")
     m = re.fullmatch(r"b(\d+)", parts[1]) if len(parts) > 1 else None
     if parts[0] not in ("sgd", "lars") or m is None:
-        fail(f"--largebatch-variants: {name!r} is not OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly] with OPTIMIZER "
-             "sgd or lars, e.g. lars-b2048-lr10-poly")
+        fail(f"--largebatch-variants: {name!r} is not OPTIMIZER-bBATCH[-linear|-sqrt|-lrX][-poly][-wdX][-wN] with "
+             "OPTIMIZER sgd or lars, e.g. lars-b2048-lr10-poly")
     batch, lr, flags = int(m.group(1)), base_lr, [f"-b {m.group(1)}"]
+    warmup = 2 if batch > LARGE_BATCH_BASE else None
     for part in parts[2:]:
         if part == "linear":
             lr = base_lr * batch / LARGE_BATCH_BASE
@@ -233,11 +236,15 @@ def largebatch_flags(name: str, base_lr: float) -> str:
             lr = float(part[2:])
         elif part == "poly":
             flags.append("--lr-schedule poly --lr-poly-power 2 --lr-end 0.0001")
+        elif re.fullmatch(r"wd[0-9.]+", part):  # a plain decimal: '-' separates the parts
+            flags.append(f"--wd {float(part[2:]):g}")
+        elif re.fullmatch(r"w[0-9]+", part):
+            warmup = int(part[1:])
         else:
-            fail(f"--largebatch-variants: {name!r} has {part!r}, not linear, sqrt, lr<X> or poly")
+            fail(f"--largebatch-variants: {name!r} has {part!r}, not linear, sqrt, lr<X>, poly, wd<X> or w<N>")
     flags.append(f"--lr={lr:g}")
-    if batch > LARGE_BATCH_BASE:
-        flags.append("--warmup-epochs 2")
+    if warmup is not None:
+        flags.append(f"--warmup-epochs {warmup}")
     if parts[0] == "lars":
         flags.append("--optimizer lars")
     return " ".join(flags)

@@ -62,17 +62,24 @@ def print_commands(results: list) -> None:
 
 
 def run_group(runs: list, args) -> list:
-    """Start runs concurrently (each a dict: name, cmd, env), wait, collect results. Each run's
-    folder starts empty: its results (metrics.jsonl, rows.json) are this run's, never an earlier
-    call's in the same --out."""
-    procs = []
+    """Start runs concurrently (each a dict: name, cmd, env), at most ``--max-runs`` at a time (0:
+    all at once), wait, collect results in the runs' order. Each run's folder starts empty: its
+    results (metrics.jsonl, rows.json) are this run's, never an earlier call's in the same --out."""
+    limit = getattr(args, "max_runs", 0) or len(runs)
+    procs, running = [], []
     for r in runs:
+        while len(running) >= limit:  # a slot frees when any run ends
+            running = [p for p in running if p.poll() is None]
+            if len(running) >= limit:
+                time.sleep(0.5)
         out = os.path.join(args.out, r["name"])
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         cmd = r["cmd"].replace("OUT", out)
         print(f"$ {command_line(cmd, r.get('env', {}))}", flush=True)
-        procs.append((r, out, cmd, time.time(), sh(cmd, os.path.join(out, "log.txt"), r.get("env"), wait=False)))
+        proc = sh(cmd, os.path.join(out, "log.txt"), r.get("env"), wait=False)
+        procs.append((r, out, cmd, time.time(), proc))
+        running.append(proc)
     results = []
     for r, out, cmd, t0, proc in procs:
         rc = proc.wait()
