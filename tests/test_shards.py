@@ -26,6 +26,7 @@ import torch
 from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
 from imagenet.cli import main
+from imagenet.data.shards import files as shardfiles
 from imagenet.data.shards import writer as shardwriter
 from imagenet.data.decode import TrainDecoder, path_identity
 from imagenet.data.images.folder import SafeImageFolder
@@ -239,14 +240,14 @@ def test_ctrl_c_is_one_line_and_a_rerun_continues_with_the_files_changed_meanwhi
 
 def test_a_full_disk_while_writing_the_index_is_one_line_and_a_rerun_completes(digits, shards, tmp_path, monkeypatch,
                                                                               capsys):
-    out, real = tmp_path / "out", shardwriter._atomic
+    out, real = tmp_path / "out", shardwriter.atomic
 
     def disk_full_at_the_index(path, write):
         def part_then_full(fh):
             fh.write(b"{")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, part_then_full if path.endswith("index.json") else write)
-    monkeypatch.setattr(shardwriter, "_atomic", disk_full_at_the_index)
+    monkeypatch.setattr(shardwriter, "atomic", disk_full_at_the_index)
     capsys.readouterr()
     assert make_shards_cli(cli_args(digits, out)) == 2
     err = capsys.readouterr().err
@@ -348,7 +349,7 @@ def test_an_old_index_stays_while_a_job_reads_it_and_goes_after(tmp_path, capsys
     job.close()
     assert make_shards_cli(cli_args(src, out)) == 0
     assert "removed the files of 1 earlier version(s)" in capsys.readouterr().out
-    previous, now = shardwriter._read_json(str(out / ".generations" / "1.json")), read_index(str(out))
+    previous, now = shardfiles.read_json(str(out / ".generations" / "1.json")), read_index(str(out))
     assert {p.name for p in out.iterdir() if p.suffix in (".tar", ".npy")} == set(previous["files"]) | set(now.files())
     assert set(first.files()) - set(previous["files"]) - set(now.files())  # gone: only the job read them
     assert make_shards_cli([*cli_args(src, out), "--prune"]) == 0
