@@ -170,7 +170,7 @@ def describe(stages: dict, workers: int) -> str:
            if g("geometry", 0) or g("normalise", 0) else "")
     wait = f"; training thread waited {g('train_wait', 0):.1f} ms/batch" if g("train_wait", 0) else ""
     return (f"workers read {g('read', 0):.1f} ms/batch, parse headers and draw crops {g('parse', 0):.1f} ms/batch, "
-            f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')}{share} (one worker's time for a "
-            f"batch; {workers} worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% "
+            f"decode fallbacks {g('fallback', 0):.1f} ms/batch{part('collate', 'collate')}{share} (one worker's time "
+            f"for a batch; {workers} worker{'' if workers == 1 else 's'}); decode thread busy {100 * busy:.0f}% "
             f"({g('busy', 0):.1f} ms/batch{decode}), waiting for workers {100 * starved:.0f}%{handoff}, waiting for "
             f"room {100 * ahead:.0f}%{part('CPU', 'thread_cpu')}{finish}{gpu}{wait} ({stages['batches']} batches)")
