@@ -17,7 +17,8 @@ next batch decodes while this one is finished. One decode thread is enough: the 
 whole batch per call, and more calls side by side did not raise the rate (docs/INPUT.md). The
 threads keep an account of their waits and work, of the GPU time of their kernels and of the
 workers' own times that came with each batch (:mod:`imagenet.data.gpu.account`), read per epoch
-with :meth:`DeviceLoader.stage_account`.
+with :meth:`DeviceLoader.stage_account`; the decode thread's own time steers the share of the
+training JPEGs the workers decode instead (:mod:`imagenet.data.gpu.share`).
 """
 
 from __future__ import annotations
