@@ -9,7 +9,9 @@ work back: every :data:`WINDOW` batches it looks at its own time, and where it w
 all of it (the workers kept up and the step waited for it) the share rises by :data:`STEP`;
 where it waited, for the workers or for room ahead of the step, the share falls. So the workers
 take up what the decode thread cannot do, and where the step or the workers set the pace the
-share goes back to 0. A number fixes the share; 0 keeps every JPEG on the GPU.
+share goes back to 0. A number fixes the share; 0 keeps every JPEG on the GPU, and is what
+``--deterministic`` takes (which images the workers decode follows the load, and their pixels
+are libjpeg's, not nvJPEG's).
 
 The share is one float in shared memory that the decode thread writes and every worker reads per
 image (:class:`Credit`): a worker decodes its share of its images exactly as the CPU path does
