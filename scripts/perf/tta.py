@@ -105,10 +105,10 @@ def epochs_of(rows: list) -> list:
     for r in rows:
         rate = r["img_per_s"] or float("nan")
         stages = r.get("input_stages") or {}
-        busy = sum(stages.get(k, 0.0) for k in ("starved", "busy", "ahead"))
+        thread = sum(stages.get(k, 0.0) for k in ("starved", "busy", "ahead"))  # the decode thread's time
         out.append({"size": r["image_size"], "img_per_s": r["img_per_s"], "wait": r["data_wait_frac"],
                     # --decode gpu: the workers' share of the JPEGs, the decode thread's busy fraction
-                    "share": stages.get("decode_share"), "busy": stages.get("busy", 0.0) / busy if busy else None,
+                    "share": stages.get("decode_share"), "busy": stages.get("busy", 0.0) / thread if thread else None,
                     "compiles": r.get("compiles"), "train_s": r["train_seconds"],
                     "overhead": max(r["train_seconds"] - r["train_samples"] / rate, 0.0),
                     "val_s": r.get("val_seconds", 0.0), "val_samples": r["val_samples"],
