@@ -31,6 +31,16 @@ def test_a_runs_rows_and_log_read_back(tmp_path, capsys):
     assert set(steps) == {0, 16} and all(s >= 0 for s in steps.values())  # tenths of a second: 0.0 on a fast step
 
 
+def test_a_gpu_decode_rows_share_and_decode_thread_are_read_from_its_input_stages():
+    row = {"image_size": 160, "img_per_s": 13000.0, "data_wait_frac": 0.06, "train_seconds": 4.0, "train_samples": 40960,
+           "val_samples": 2000, "val_seconds": 0.3, "epoch_seconds": 4.4,
+           "input_stages": {"batches": 77, "starved": 1.3, "busy": 31.6, "ahead": 2.2, "decode_share": 0.33}}
+    (got,) = tta.epochs_of([row])
+    assert got["share"] == 0.33 and got["busy"] == pytest.approx(31.6 / 35.1)
+    (plain,) = tta.epochs_of([{**row, "input_stages": None}])  # --dummy, --decode cpu: none
+    assert plain["share"] is None and plain["busy"] is None
+
+
 def test_the_recipes_are_ffcvs_with_their_sizes():
     recipes = {r.name: r for r in tta.recipes()}
     r16 = recipes["resnet50-ffcv-16.yaml"]
