@@ -155,7 +155,7 @@ def test_deterministic_runs_keep_every_jpeg_on_the_gpu():
         validate(Config(decode_share=None))  # a config file's null
 
 
-def test_synthetic_data_decodes_nothing_and_counts_no_share(tmp_path):
+def test_synthetic_data_decodes_nothing_and_counts_no_share():
     """--dummy with --decode gpu asked for: the epoch's counts (runner._decode_counts) have the share's key."""
     from imagenet.data.synthetic import SyntheticDataset, SyntheticLoader
     loader = SyntheticLoader(SyntheticDataset(8, 2, 16, seed=1), samples=8, drop_last=True,
