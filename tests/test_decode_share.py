@@ -44,6 +44,42 @@ def test_the_share_rises_while_the_decode_thread_is_busy_and_falls_when_it_waits
     assert share.value == 0.0
 
 
+def test_after_a_change_the_batches_under_way_are_left_out_of_the_next_look():
+    share = DecodeShare(lag=5)
+    windows(share, 1.0, 1)
+    assert share.value == pytest.approx(sharing.STEP)
+    for _ in range(5):  # made under the share before: busy as they are, they move nothing
+        share.observe(1.0, 0.0)
+    windows(share, 0.9, 1)  # the first look at the new share: between the bounds, it holds
+    assert share.value == pytest.approx(sharing.STEP)
+    windows(share, 1.0, 1)  # no change, so nothing to wait out: the next look counts at once
+    assert share.value == pytest.approx(2 * sharing.STEP)
+
+
+def settle(lag: int, workers: int, batches: int = 4000) -> list:
+    """The share batch by batch in a pipeline whose batches are made ``2 * workers`` batches after
+    their share was set (a DataLoader's prefetch): the step takes 1 a batch, the decode thread
+    1.3 * (1 - share), the workers 0.5 + 1.5 * share; the slowest sets the pace. The decode thread
+    is busy >= 95% below a share of 0.27 and < 85% above 0.35: the share should settle between."""
+    share, made = DecodeShare(lag=lag), []
+    for i in range(batches):
+        s = made[i - 2 * workers] if i >= 2 * workers else 0.0
+        thread, period = 1.3 * (1 - s), max(1.0, 1.3 * (1 - s), 0.5 + 1.5 * s)
+        share.observe(thread, period - thread)
+        made.append(share.value)
+    return made[batches // 2:]
+
+
+@pytest.mark.parametrize("workers", [2, 8, 16])
+def test_the_share_settles_with_many_workers_where_it_swung_without_the_lag(workers):
+    steady = settle(2 * workers, workers)
+    assert 0.27 - 1e-9 <= min(steady) and max(steady) <= 0.35 + sharing.STEP  # one step at most past the band
+    assert max(steady) - min(steady) <= sharing.STEP + 1e-9
+    if workers == 16:  # looking before the batches under way were through: it overshot both ways
+        swing = settle(0, workers)
+        assert max(swing) - min(swing) >= 4 * sharing.STEP
+
+
 def test_a_fixed_share_never_moves_and_a_share_is_a_fraction():
     share = DecodeShare(0.3)
     windows(share, 1.0, 10)
@@ -126,6 +162,7 @@ def test_worker_processes_take_the_share_and_follow_its_changes(jpeg_and_png, tm
     data = build_datasets(cfg, root)
     train, val = build_loaders(cfg, data, DistContext("cpu", torch.device("cpu"), "test"), seed=0)
     assert train.share is data.decode_share and val.share is None and data.decode_share.auto
+    assert data.decode_share.lag == 4  # the batches 2 workers have under way
 
     def epoch(n):
         train.sampler.set_epoch(n)
@@ -134,7 +171,7 @@ def test_worker_processes_take_the_share_and_follow_its_changes(jpeg_and_png, tm
 
     seen, counts, stages = epoch(0)
     assert seen == 18 and counts == {"gpu": 16, "cpu": 2, "share": 0} and stages["decode_share"] == 0
-    windows(data.decode_share, 1.0, 13)  # as a busy decode thread would
+    windows(data.decode_share, 1.0, 30)  # as a busy decode thread would
     raised = data.decode_share.value
     assert raised >= 0.5
     seen, counts, stages = epoch(1)

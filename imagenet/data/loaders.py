@@ -35,6 +35,9 @@ from .synthetic import SyntheticDataset, SyntheticLoader
 from .transforms import (IMAGENET_MEAN, IMAGENET_STD, ValGeometry, augment_policy, resize_on_device, train_transform,
                          val_geometry, val_transform)
 
+PREFETCH = 2  # batches each worker has under way (torch's default), which --decode-share's look waits out
+
+
 def collate_skipping(batch: Sequence) -> tuple:
     """Stack the good samples; return ``(images, targets, skipped_paths)``."""
     good = [(img, t) for img, t, _ in batch if img is not None]
@@ -132,7 +135,8 @@ def _build(cfg, root: str, val_geo: ValGeometry, device, shards: Optional[ShardI
         val_tf, loader = ValDecoder(val_geo.crop, val_geo.resize), path_identity  # never a reduced-scale decode
         pipeline = "fast: workers decode, crop, resize and flip"
         if cfg.decode == "gpu":  # workers read bytes and draw crops; the GPU decodes
-            decoder, share = gpujpeg.require(), DecodeShare(decode_share(cfg))
+            # a change of the share reaches the batches after those the workers have under way
+            decoder, share = gpujpeg.require(), DecodeShare(decode_share(cfg), lag=PREFETCH * cfg.workers)
             train_tf, val_tf = TrainJpegReader(train_tf, share), ValJpegReader(val_tf)
             pipeline = (f"fast, --decode gpu: workers read files, the GPU decodes ({gpujpeg.describe(decoder)}), "
                         "one kernel crops, resizes and flips")
@@ -249,7 +253,8 @@ def build_loaders(cfg, data: DataBundle, ctx, seed: int) -> tuple:
     # and each time one starts its workers; the banner says it once, with the flag.
     warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
                             category=UserWarning)
-    common = dict(num_workers=cfg.workers, pin_memory=ctx.device.type == "cuda",
+    common = dict(num_workers=cfg.workers, prefetch_factor=PREFETCH if cfg.workers > 0 else None,
+                  pin_memory=ctx.device.type == "cuda",
                   collate_fn=collate_for(ctx.device), persistent_workers=cfg.workers > 0,
                   worker_init_fn=worker_signals if cfg.workers > 0 else None)
     # Dropping the last partial batch keeps every step's batch (and its BatchNorm statistics)
