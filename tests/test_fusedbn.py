@@ -300,6 +300,48 @@ def compare_from_sums(device: str = "cpu", dtypes=("float32", "float16")) -> lis
     return rows
 
 
+def overflowed_statistics(device: str = "cpu", dtypes=("float32", "float16")) -> list:
+    """A batch whose channel 1 holds an inf and channel 2 a NaN (an fp16 forward that overflowed),
+    through each kernel that updates the running statistics: the statistics kernel (bn_act), the
+    statistics from the convolutions' sums, and those made inside the normalise. Per path: whether
+    channels 1 and 2 kept their running statistics exactly, and the largest error of the other
+    channels' against torch's BatchNorm given the same batch with finite values in 1 and 2."""
+    import copy
+    from imagenet.kernels import fusedbn
+    g = torch.Generator().manual_seed(5)
+    cl = dict(memory_format=torch.channels_last)
+    rows = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        x = (torch.randn(2, 5, 3, 3, generator=g) * 2 + 1).to(dt)
+        finite = x.clone()
+        x[0, 1, 1, 1], x[1, 2, 0, 2] = float("inf"), float("nan")
+        x = x.to(device).contiguous(**cl)
+        bn = nn.BatchNorm2d(5)
+        with torch.no_grad():
+            bn.running_mean.normal_(generator=g)
+            bn.running_var.uniform_(0.5, 2.0, generator=g)
+        bn = bn.to(device)
+        ref = copy.deepcopy(bn)
+        ref(finite.to(device).float())  # channels are independent: 0, 3 and 4 are the batch's own
+        sums = (x.float().sum((0, 2, 3)), x.float().square().sum((0, 2, 3)))
+        for path in ("statistics", "from sums", "in the normalise"):
+            b = copy.deepcopy(bn)
+            if path == "statistics":
+                fusedbn.bn_act(x, b, None, True)
+            elif path == "from sums":
+                fusedbn._statistics(x, b, sums)
+            else:
+                fusedbn.bn_act(x, b, None, True, sums=sums)
+            kept = all(bool(torch.equal(getattr(b, k)[1:3], getattr(bn, k)[1:3])) for k in ("running_mean", "running_var"))
+            others = [0, 3, 4]
+            err = max(float((getattr(b, k)[others] - getattr(ref, k)[others]).abs().max())
+                      for k in ("running_mean", "running_var"))
+            rows.append({"case": f"{dtype} {path}", "kept": kept, "err": err,
+                         "finite": bool(torch.isfinite(b.running_mean).all() and torch.isfinite(b.running_var).all())})
+    return rows
+
+
 def _interpreted(code: str) -> subprocess.Popen:
     """A child under Triton's interpreter that runs ``code`` after ``import tests.test_fusedbn as t``
     and prints its result as JSON."""
@@ -352,6 +394,7 @@ def interpreter_runs(tmp_path_factory):
             runs["bits"] = _interpreted("print(json.dumps(t.mask_bits_against_outputs()))")
             runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled()))")
             runs["from-sums"] = _interpreted("print(json.dumps(t.compare_from_sums()))")
+            runs["overflow"] = _interpreted("print(json.dumps(t.overflowed_statistics()))")
             runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
             runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
             runs.out = out
@@ -363,6 +406,18 @@ def interpreter_runs(tmp_path_factory):
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
 def test_layers_match_torch_under_the_interpreter(interpreter_runs):
     _check_layers(interpreter_runs.json("layers"))
+
+
+def _check_overflow(rows: list) -> None:
+    assert len(rows) == 6
+    for row in rows:
+        assert row["kept"] and row["finite"], row  # not folded in: the running statistics stay finite
+        assert row["err"] < 1e-5, row  # the other channels move as torch's BatchNorm moves them
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
+def test_a_batch_with_inf_or_nan_leaves_those_channels_running_statistics_under_the_interpreter(interpreter_runs):
+    _check_overflow(interpreter_runs.json("overflow"))
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the compiled kernels are tested instead")
@@ -618,6 +673,7 @@ def kernel_runs(tmp_path_factory):
             runs.start("resnet50-layers", _on_gpu("print(json.dumps(t.compare_resnet50_layers()))"), env)
             runs.start("from-sums", _on_gpu("print(json.dumps(t.compare_from_sums('cuda', ('float16', "
                                             "'bfloat16', 'float32'))))"), env)
+            runs.start("overflow", _on_gpu("print(json.dumps(t.overflowed_statistics('cuda')))"), env)
             yield runs
         finally:
             runs.stop()
@@ -665,3 +721,8 @@ def test_a_fused_resnet_trains_as_torchvisions_on_the_gpu(kernel_runs):
 @gpu
 def test_the_statistics_made_in_the_normalise_are_the_two_kernels_bits_on_the_gpu(kernel_runs):
     _check_from_sums(kernel_runs.json("from-sums"), 3)
+
+
+@gpu
+def test_a_batch_with_inf_or_nan_leaves_those_channels_running_statistics_on_the_gpu(kernel_runs):
+    _check_overflow(kernel_runs.json("overflow"))

@@ -96,11 +96,17 @@ if triton is not None:
                 tl.store(batches_ptr, tl.load(batches_ptr) + 1)
         tl.store(mean_ptr + c, mean, mask=c_ok)
         tl.store(invstd_ptr + c, _invstd(var, eps), mask=c_ok)
+        # A channel whose batch statistics are NaN/inf (an fp16 forward that overflowed: its step is
+        # skipped) leaves its running statistics as they were; folded in, they would stay NaN for
+        # good, and with them every validation after (pytorch/pytorch#88474).
         rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(rmean_ptr + c, ((1.0 - momentum) * rm + momentum * mean).to(rmean_ptr.dtype.element_ty), mask=c_ok)
         unbiased = var * M / tl.maximum(M - 1, 1)
-        tl.store(rvar_ptr + c, ((1.0 - momentum) * rv + momentum * unbiased).to(rvar_ptr.dtype.element_ty), mask=c_ok)
+        finite = (tl.abs(mean) < float("inf")) & (unbiased < float("inf"))  # False for NaN too
+        new_rm = tl.where(finite, (1.0 - momentum) * rm + momentum * mean, rm)
+        new_rv = tl.where(finite, (1.0 - momentum) * rv + momentum * unbiased, rv)
+        tl.store(rmean_ptr + c, new_rm.to(rmean_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(rvar_ptr + c, new_rv.to(rvar_ptr.dtype.element_ty), mask=c_ok)
 
     @triton.jit
     def _stats_from_sums(sum_ptr, sq_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, batches_ptr, M, C, eps, momentum,

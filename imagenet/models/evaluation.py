@@ -52,3 +52,17 @@ class FixedBatch:
         full = images.new_zeros((self.batch, *images.shape[1:])).contiguous(memory_format=layout)
         full[:n].copy_(images)
         return self.fn(full)[:n]
+
+
+def nonfinite_statistics(model: nn.Module) -> list:
+    """The names of ``model``'s BatchNorm layers whose running statistics hold NaN or inf, which
+    evaluation uses: torch's BatchNorm folds a batch's statistics in even when the forward pass
+    overflowed (pytorch/pytorch#88474; our kernels leave such a channel's statistics as they were),
+    and once NaN they stay NaN. One host sync: call it where the host waits anyway."""
+    named = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+    if not named:
+        return []
+    bad = torch.stack([~(torch.isfinite(m.running_mean).all() & torch.isfinite(m.running_var).all())
+                       for _, m in named]).tolist()
+    return [name for (name, _), b in zip(named, bad) if b]

@@ -31,11 +31,11 @@ from ..base.metrics import EpochRecord
 from ..base.paths import default_cache_dir
 from ..base.processenv import ProcessEnv, set_process_env
 from ..base.torch_private import compiled_graphs, set_last_lr
-from ..base.wrappers import uncompiled
+from ..base.wrappers import uncompiled, unwrap
 from ..data import dataorder
 from ..data.loaders import DataBundle, build_datasets, build_loaders, micro_batch_size, per_process_batch
 from ..data.transforms import ValGeometry, image_size_at, progressive_ramp, training_sizes, val_geometry
-from ..models.evaluation import Evaluator
+from ..models.evaluation import Evaluator, nonfinite_statistics
 from ..models.registry import (has_blur, has_conv_stats, has_fused_bn, has_stem_kernels, pretrained_state_dict,
                                pretrained_weights)
 from ..parallel import distributed
@@ -503,6 +503,14 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     # Under DDP the ranks' BatchNorm statistics were averaged after the epoch's last step
     # (engine._average_statistics): every rank scores the model rank 0 saves. The evaluator is
     # compiled where the training model is, with graphs of its own (state.wrap_training).
+    broken = nonfinite_statistics(unwrap(state.model))
+    if broken and ctx.is_main:
+        logger.warning("=> warning: the running statistics of %d BatchNorm layer%s (%s) are NaN/inf: a forward pass "
+                       "overflowed and torch's BatchNorm kept its batch's statistics, so this validation is not the "
+                       "model's and every later one will be NaN too; lower --lr, or resume from a checkpoint saved "
+                       "before it (our kernels, --bn-kernel auto on a GPU, keep a channel's statistics from such a "
+                       "batch out)", len(broken), "s" if len(broken) > 1 else "",
+                       ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else ""))
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
                    precision=state.precision, ctx=ctx, opts=opts, forward=state.evaluator)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
