@@ -44,3 +44,9 @@ def test_a_run_whose_running_statistics_went_nan_says_so_before_validating(digit
     assert len(warned) == 1 and "layer1.0.bn2" in warned[0] and "NaN/inf" in warned[0], warned
     row = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert row["val_loss"] != row["val_loss"]  # NaN: what the warning explains
+    monkeypatch.undo()  # evaluating the checkpoint saved after it (NaN statistics and all) says the same
+    runner.run(parse_config([digits, "-a", "resnet18", "-b", "8", "-j", "0", "--image-size", "16", "--val-resize",
+                             "16", "-e", "--resume", str(tmp_path / "checkpoint.pth.tar"),
+                             "--output-dir", str(tmp_path / "eval")]))
+    out, err = capfd.readouterr()
+    assert any("layer1.0.bn2" in line and "NaN/inf" in line for line in (out + err).splitlines()), out + err

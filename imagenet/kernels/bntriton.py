@@ -12,7 +12,8 @@ off the rounded output as torch's backward reads it); without one the backward r
 from the input. :func:`_apply` may also normalise the shortcut BatchNorm's raw input as it loads
 it, and make the batch's statistics itself from a convolution's per-channel sums
 (:func:`_batch_statistics`, ``--bn-kernel cudnn``). Arithmetic is float32; each stored tensor is
-rounded once; running statistics follow torch's rule.
+rounded once; running statistics follow torch's rule, except that a channel whose batch statistics
+are NaN/inf (an overflowed forward) keeps its running statistics.
 
 The kernels' names are what profiles show (scripts/perf/step_matrix.py classifies them by name);
 :mod:`imagenet.kernels.bnlaunch` launches them, :mod:`imagenet.kernels.fusedbn` wraps the
@@ -102,6 +103,8 @@ if triton is not None:
         rm = tl.load(rmean_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         rv = tl.load(rvar_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         unbiased = var * M / tl.maximum(M - 1, 1)
+        # The mean is the guard that counts: any inf/NaN input makes it non-finite, while the
+        # variance's clamp at 0 (tl.maximum does not propagate NaN on the GPU) can hide a NaN there.
         finite = (tl.abs(mean) < float("inf")) & (unbiased < float("inf"))  # False for NaN too
         new_rm = tl.where(finite, (1.0 - momentum) * rm + momentum * mean, rm)
         new_rv = tl.where(finite, (1.0 - momentum) * rv + momentum * unbiased, rv)

@@ -279,6 +279,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, plan: SpeedPlan, started: fl
     opts = LoopOptions(cfg.print_freq, display, cfg.prof * cfg.accum_steps if cfg.prof > 0 else None,
                        cfg.max_nonfinite_steps, (3, cfg.image_size, cfg.image_size), cfg.accum_steps)
     if cfg.evaluate:
+        _check_statistics(state.model, ctx)
         return validate(model=state.model, loader=start.val_loader, criterion=state.criterion,
                         precision=state.precision, ctx=ctx, opts=opts, forward=state.evaluator).to_dict()
     with StopRequest(ctx) as stop, RunLog(cfg, ctx, requested, environment=plan.environment) as log:
@@ -503,14 +504,7 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     # Under DDP the ranks' BatchNorm statistics were averaged after the epoch's last step
     # (engine._average_statistics): every rank scores the model rank 0 saves. The evaluator is
     # compiled where the training model is, with graphs of its own (state.wrap_training).
-    broken = nonfinite_statistics(unwrap(state.model))
-    if broken and ctx.is_main:
-        logger.warning("=> warning: the running statistics of %d BatchNorm layer%s (%s) are NaN/inf: a forward pass "
-                       "overflowed and torch's BatchNorm kept its batch's statistics, so this validation is not the "
-                       "model's and every later one will be NaN too; lower --lr, or resume from a checkpoint saved "
-                       "before it (our kernels, --bn-kernel auto on a GPU, keep a channel's statistics from such a "
-                       "batch out)", len(broken), "s" if len(broken) > 1 else "",
-                       ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else ""))
+    _check_statistics(state.model, ctx)
     val = validate(model=uncompiled(state.model), loader=start.val_loader, criterion=state.criterion,
                    precision=state.precision, ctx=ctx, opts=opts, forward=state.evaluator)
     decoded = _decode_counts(cfg, ctx, start.train_loader, start.val_loader)  # before the average's pass
@@ -522,6 +516,17 @@ def _validate(cfg: Config, ctx, start: _Start, state: TrainState, opts: LoopOpti
     # The same images again: their decodes and unreadable files were counted once, above.
     start.val_loader.decode_counts()
     return val, {"val_loss_ema": ema.loss, "val_acc1_ema": ema.acc1, "val_acc5_ema": ema.acc5}, decoded
+
+
+def _check_statistics(model, ctx) -> None:
+    """Before a validation: one warning naming the BatchNorm layers whose running statistics went
+    NaN/inf (an overflowed forward on torch's BatchNorm), which make it NaN."""
+    broken = nonfinite_statistics(unwrap(model))
+    if broken and ctx.is_main:
+        logger.warning("=> warning: the running statistics of %d BatchNorm layer%s (%s) are NaN/inf (a forward pass "
+                       "overflowed), so validation is NaN from now on: resume from a checkpoint saved before it "
+                       "(model_best.pth.tar) with a lower --lr", len(broken), "s" if len(broken) > 1 else "",
+                       ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else ""))
 
 
 def _decode_counts(cfg, ctx, train_loader, val_loader) -> dict:

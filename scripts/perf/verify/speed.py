@@ -226,7 +226,9 @@ def phase_defaults(args) -> None:
             for name in ("new-fp16", "new-multiproc-fp16"):
                 res = run_one(f"{label}-{name}", *cmd_of(name, 1, 30), args)
                 waits.append((label, name, first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
-                print(f"  {label}-{name}: first step done after {waits[-1][2]} s", flush=True)  # kept if the call ends early
+                wait = waits[-1][2]  # printed now: kept if the call ends early
+                print(f"  {label}-{name}: " + (f"first step done after {wait} s" if wait is not None else "no first step"),
+                      flush=True)
         print(f"  (cold and warm starts: {time.time() - t0:.0f} s)", flush=True)
     # the rows' compilations at once, so the timed rows below start from warm caches
     warmed = () if args.skip_cold else ("new-fp16", "new-multiproc-fp16")
@@ -248,7 +250,8 @@ def phase_defaults(args) -> None:
         rates = epoch_rates(os.path.join(args.out, name), 1)
         table_rows.append((name, f"{rates[0]:.0f}" if rates else f"FAILED (exit {res['rc']})",
                            f"{rates[1]:.0f}..{rates[2]:.0f}" if rates else "", res))
-        print(f"  {name}: {table_rows[-1][1]} img/s ({table_rows[-1][2]}) at {time.time() - t0:.0f} s", flush=True)
+        print(f"  {name}: " + (f"{table_rows[-1][1]} img/s ({table_rows[-1][2]})" if rates else table_rows[-1][1])
+              + f" at {time.time() - t0:.0f} s", flush=True)
     fastest = max((float(r[1]) for r in table_rows if r[1].replace(".", "").isdigit() and "b384" not in r[0]),
                   default=None)
     print("\n| row | command (main.py --dummy -a resnet50 ...) | img/s (median epoch) | spread | of the fastest b256 |")
