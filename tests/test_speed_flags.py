@@ -336,3 +336,33 @@ def test_every_recipe_variant_is_flags_main_accepts_with_the_stem_recipe():
     eager, tri = cfgs["ramp-eager"], cfgs["ramp-eager-triangular"]
     assert (eager.lr_schedule, tri.lr_schedule, tri.compile, tri.progressive_resize) == ("cosine", "triangular", "off", 32)
     assert cfgs["ramp"].compile != "off" and cfgs["ramp"].progressive_resize == 32
+
+
+def test_gpu_verify_cuts_its_runs_at_the_deadline_and_says_how_far_they_got(tmp_path, capsys):
+    """--deadline: a call's limit must not take the tables with it. A run still going at the
+    deadline is ended (with what it started), reported with the epochs it finished and left out of
+    every mean; a run not yet started is not started; a finished run is as before."""
+    import argparse
+    import json
+    import time
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
+    from verify.common import run_group, seed_accs, table
+
+    def fake(name: str, epochs: int, then: str) -> dict:  # writes its epochs' rows, then `then`
+        rows = "; ".join(f"echo '{json.dumps(dict(val_acc1=90.0 + e, val_samples=10, img_per_s=100.0))}' "
+                         f">> OUT/metrics.jsonl" for e in range(epochs))
+        return {"name": name, "cmd": f"{rows}; {then}", "env": {}}
+
+    args = argparse.Namespace(out=str(tmp_path), max_runs=1, ends=time.time() + 3)  # one at a time
+    t0 = time.time()
+    results = run_group([fake("v-s0", 2, "true"), fake("v-s1", 1, "sleep 60 & wait"), fake("v-s2", 0, "true")],
+                        args)
+    assert time.time() - t0 < 20  # the sleeping run and its child did not hold the call
+    done, cut, unstarted = results
+    assert not done["cut"] and done["acc1"] == 91.0 and done["epochs"] == 2
+    assert cut["cut"] and cut["acc1"] == 90.0 and cut["epochs"] == 1
+    assert unstarted["name"] == "v-s2" and unstarted["cut"] and unstarted["epochs"] == 0
+    assert seed_accs(results, "v") == [91.0]  # a cut run's last epoch is no final figure
+    table(results, "v-s0")
+    out = capsys.readouterr().out
+    assert "| v-s1 | cut at --deadline: 90.00 after 1 epoch(s) |" in out and "v-s2: not started (--deadline)" in out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # there when run as a script, not when a test loads this file by its path
@@ -67,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-runs", type=int, default=0,
                    help="runs a phase starts at once, the next as one ends (0: all at once; on an 80 GB card 21 "
                         "Fashion-MNIST runs at once could not all create their CUDA context)")
+    g.add_argument("--deadline", type=float, default=0,
+                   help="seconds after the start by which every run is ended, cut where it is (its table row says "
+                        "so and how far it got, and no mean counts it), and no run starts (0: none); set it under "
+                        "the call's own limit so the tables still print")
     g.add_argument("--jpeg-per-class", type=int, default=300,
                    help="jpeg, scaling: training JPEGs per class (100 classes) in the benchmark folder they make")
     g = p.add_argument_group("test suites (smoke, suite)")
@@ -187,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     args.out = os.path.abspath(args.out)  # rows of an --old tree run from there
+    args.ends = time.time() + args.deadline if args.deadline > 0 else None  # run_group's deadline
     os.makedirs(args.out, exist_ok=True)
     PHASES[args.phase][0](args)
     return 0

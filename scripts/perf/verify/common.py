@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -22,7 +23,9 @@ def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
     """``cmd`` through the shell in the repository, its output in ``log``; NCCL's NVLink multicast off."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", **(env_extra or {}))
     fh = open(log, "w")
-    proc = subprocess.Popen(cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    # a session of its own: a run cut at --deadline is ended with the processes it started
+    proc = subprocess.Popen(cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     if wait:
         proc.wait()
     return proc
@@ -66,12 +69,16 @@ def run_group(runs: list, args) -> list:
     all at once), wait, collect results in the runs' order. Each run's folder starts empty: its
     results (metrics.jsonl, rows.json) are this run's, never an earlier call's in the same --out."""
     limit = getattr(args, "max_runs", 0) or len(runs)
-    procs, running = [], []
+    ends = getattr(args, "ends", None)  # --deadline: when every run is cut where it is
+    procs, running, unstarted = [], [], []
     for r in runs:
-        while len(running) >= limit:  # a slot frees when any run ends
+        while len(running) >= limit and not _past(ends):  # a slot frees when any run ends
             running = [p for p in running if p.poll() is None]
             if len(running) >= limit:
                 time.sleep(0.5)
+        if _past(ends):
+            unstarted.append(r)
+            continue
         out = os.path.join(args.out, r["name"])
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
@@ -82,22 +89,45 @@ def run_group(runs: list, args) -> list:
         running.append(proc)
     results = []
     for r, out, cmd, t0, proc in procs:
-        rc = proc.wait()
+        rc, cut = _wait(proc, ends)
         rows = last_metrics(out)
-        res = {"name": r["name"], "cmd": cmd, "env": r.get("env", {}), "rc": rc, "seconds": time.time() - t0,
+        res = {"name": r["name"], "cmd": cmd, "env": r.get("env", {}), "rc": rc, "cut": cut, "seconds": time.time() - t0,
                "acc1": rows[-1]["val_acc1"] if rows else None, "best": max((x["val_acc1"] for x in rows if x["val_acc1"] is not None), default=None),
                "val_samples": rows[-1]["val_samples"] if rows else None,
                "img_per_s": statistics.median(x["img_per_s"] for x in rows) if rows else None,
                "skipped_steps": rows[-1].get("skipped_steps_total") if rows else None,
                "loss_scale": rows[-1].get("loss_scale") if rows else None, "epochs": len(rows)}
-        if rc:
+        if cut:
+            print(f"  {r['name']}: cut at --deadline after {len(rows)} epoch(s)", flush=True)
+        elif rc:
             print(f"  !! {r['name']} exited {rc}:\n{tail(os.path.join(out, 'log.txt'), 15)}", flush=True)
         elif res["acc1"] is not None:
             print(f"  {r['name']}: Acc@1 {res['acc1']:.2f} in {res['seconds']:.0f} s", flush=True)
         else:
             print(f"  {r['name']}: done in {res['seconds']:.0f} s", flush=True)
         results.append(res)
+    for r in unstarted:
+        print(f"  {r['name']}: not started (--deadline)", flush=True)
+        results.append({"name": r["name"], "cmd": r["cmd"], "env": r.get("env", {}), "rc": None, "cut": True,
+                        "seconds": 0.0, "acc1": None, "best": None, "val_samples": None, "img_per_s": None,
+                        "skipped_steps": None, "loss_scale": None, "epochs": 0})
     return results
+
+
+def _past(ends) -> bool:
+    return ends is not None and time.time() >= ends
+
+
+def _wait(proc, ends) -> tuple:
+    """(the run's exit status, whether --deadline cut it): past the deadline its process group ends."""
+    try:
+        return proc.wait(timeout=None if ends is None else max(ends - time.time(), 0.01)), False
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.wait(), True
 
 
 def run_one(name: str, cmd: str, env: dict, args) -> dict:
@@ -121,6 +151,10 @@ def table(results: list, ref: str | None) -> None:
     print("\n| run | final Acc@1 | best | vs run 1 | val images | train img/s (median epoch) | skipped steps | final loss scale | wall s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
+        if r.get("cut"):  # --deadline: how far it got, never a final figure
+            last = f"{r['acc1']:.2f} after {r['epochs']} epoch(s)" if r["acc1"] is not None else "no epoch"
+            print(f"| {r['name']} | cut at --deadline: {last} | | | | | | | {r['seconds']:.0f} |")
+            continue
         if r["acc1"] is None:
             print(f"| {r['name']} | FAILED (exit {r['rc']}) | | | | | | | {r['seconds']:.0f} |")
             continue
@@ -132,7 +166,8 @@ def table(results: list, ref: str | None) -> None:
 
 def seed_accs(results: list, prefix: str) -> list:
     """The final Acc@1 of every run whose name minus its ``-sSEED`` tail is ``prefix``."""
-    return [r["acc1"] for r in results if r["name"].rsplit("-s", 1)[0] == prefix and r["acc1"] is not None]
+    return [r["acc1"] for r in results if r["name"].rsplit("-s", 1)[0] == prefix and r["acc1"] is not None
+            and not r.get("cut")]
 
 
 def recipe_cmd(args, data: str) -> str:

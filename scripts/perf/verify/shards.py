@@ -106,7 +106,8 @@ def _shards_accuracy(args) -> None:
     table(results, f"acc-folder-s{seeds[0]}")
     means = {}
     for source in SOURCES:
-        accs = [r["acc1"] for r in results if r["name"].startswith(f"acc-{source}-") and r["acc1"] is not None]
+        accs = [r["acc1"] for r in results if r["name"].startswith(f"acc-{source}-") and r["acc1"] is not None
+                and not r.get("cut")]
         if accs:
             means[source] = sum(accs) / len(accs)
             print(f"{source}: final Acc@1 mean {means[source]:.2f} over {len(accs)} seed(s), min {min(accs):.2f}, "
