@@ -116,7 +116,7 @@ def test_files_rows_are_set_beside_synthetic_at_each_size_leaving_out_the_first_
 def test_the_files_rows_train_each_size_after_a_first_epoch():
     from imagenet.base.config import parse_config
     from imagenet.data.transforms import image_size_at
-    for name, sizes in (("jpeg-j8", [160, 160, 192]), ("jpeg-sizes-j8", [128, 128, 160, 192, 224])):
+    for name, sizes in (("jpeg-j8", [160, 160, 160, 160, 192]), ("jpeg-sizes-j8", [128, 128, 160, 192, 224])):
         cfg = parse_config(tta.shlex.split(tta.ROWS[name][1].replace("JPEG", "/data"))[1:])
         assert [image_size_at(e, cfg) for e in range(cfg.epochs)] == sizes, name
 

@@ -44,9 +44,10 @@ RECIPE = "configs/resnet50-ffcv-16.yaml"
 # One epoch at 160 px, one at 192 (the recipes' two sizes; a warm-up of one epoch, as two epochs cannot
 # hold two, which changes no rate); a synthetic recipe epoch is 15 optimizer steps of 4,096
 RAMP = "--epochs 2 --progressive-ramp 0:1 --warmup-epochs 1 -p 1000"
-# from files, a second epoch at 160 px: a run's first epoch reads its files from disk and starts its
-# workers, so its rate is no steady one (the projection takes each size's last epoch)
-RAMP_FILES = "--epochs 3 --progressive-ramp 1:2 --warmup-epochs 1 -p 1000"
+# from files, four epochs at 160 px (78 batches of 512 each): a run's first epoch reads its files from
+# disk and starts its workers, and --decode-share auto rises 0.04 every 8 + 2 x workers batches, so
+# the last 160 px epoch is the first a share settled over; the projection takes each size's last epoch
+RAMP_FILES = "--epochs 5 --progressive-ramp 3:4 --warmup-epochs 1 -p 1000"
 # the typed command at each size, the first (128 px) twice for the same reason; sizes 128, 128, 160, 192, 224
 SIZES_FILES = "--image-size 224 --progressive-resize 128 --progressive-ramp 1:4 --epochs 5 -p 1000"
 SYNTH_VAL = "--dummy-val-size 10240"
@@ -64,7 +65,7 @@ ROWS = {
                    f"--val-crop 256 --val-resize 293 --val-flip --dummy-train-size 20480 {SYNTH_VAL}"),
     "recipe": (f"{RECIPE} on synthetic data: 8 passes of 512 a step, 160 then 192 px",
                f"main.py --dummy --config {RECIPE} {RAMP} --dummy-train-size 61440 {SYNTH_VAL}"),
-    "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 px twice, then 192 px, validation, "
+    "jpeg-j4": (f"{RECIPE} from JPEG files, -j 4, the default decode: 160 px four times, then 192 px, validation, "
                 "checkpoints", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 4"),
     "jpeg-j8": ("the same with -j 8", f"main.py JPEG --config {RECIPE} {RAMP_FILES} -j 8"),
     "jpeg-j8-gpu-only": ("the same with every JPEG decoded on the GPU (--decode-share 0: the workers take no share)",
