@@ -358,6 +358,7 @@ def test_gpu_verify_cuts_its_runs_at_the_deadline_and_says_how_far_they_got(tmp_
     results = run_group([fake("v-s0", 2, "true"), fake("v-s1", 1, "sleep 60 & wait"), fake("v-s2", 0, "true")],
                         args)
     assert time.time() - t0 < 20  # the sleeping run and its child did not hold the call
+    assert subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True).returncode == 1  # nor outlive it
     done, cut, unstarted = results
     assert not done["cut"] and done["acc1"] == 91.0 and done["epochs"] == 2
     assert cut["cut"] and cut["acc1"] == 90.0 and cut["epochs"] == 1

@@ -23,9 +23,7 @@ def sh(cmd: str, log: str, env_extra: dict | None = None, wait: bool = True):
     """``cmd`` through the shell in the repository, its output in ``log``; NCCL's NVLink multicast off."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", **(env_extra or {}))
     fh = open(log, "w")
-    # a session of its own: a run cut at --deadline is ended with the processes it started
-    proc = subprocess.Popen(cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if wait:
         proc.wait()
     return proc
@@ -119,15 +117,37 @@ def _past(ends) -> bool:
 
 
 def _wait(proc, ends) -> tuple:
-    """(the run's exit status, whether --deadline cut it): past the deadline its process group ends."""
+    """(the run's exit status, whether --deadline cut it): past the deadline the run's shell and every
+    process under it end. They stay in this process's group, so a timeout or Ctrl-C that ends this
+    process ends them too."""
     try:
         return proc.wait(timeout=None if ends is None else max(ends - time.time(), 0.01)), False
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in _tree(proc.pid):  # parents first: a shell ended cannot start its next command
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return proc.wait(), True
+
+
+def _tree(pid: int) -> list:
+    """``pid`` and its descendants, parents before children, from /proc (Linux)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo += children.get(p, [])
+    return found
 
 
 def run_one(name: str, cmd: str, env: dict, args) -> dict:
