@@ -11,6 +11,7 @@ import torch
 import torchvision
 
 from imagenet.base.config import parse_config
+from imagenet.base.wrappers import unwrap
 from imagenet.models.evaluation import nonfinite_statistics
 
 
@@ -32,8 +33,7 @@ def test_a_run_whose_running_statistics_went_nan_says_so_before_validating(digit
     def overflowing(*, state, **kw):  # as an overflowing forward pass on torch's BatchNorm leaves them
         result = real(state=state, **kw)
         with torch.no_grad():
-            net = state.model.module if hasattr(state.model, "module") else state.model
-            getattr(net, "_orig_mod", net).layer1[0].bn2.running_var.fill_(float("nan"))
+            unwrap(state.model).layer1[0].bn2.running_var.fill_(float("nan"))
         return result
 
     monkeypatch.setattr(runner, "train_one_epoch", overflowing)
