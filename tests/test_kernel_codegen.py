@@ -1,10 +1,10 @@
-"""Every Triton kernel of imagenet/kernels, compiled for an H100/H200 (sm_90) down to its machine
-code on this machine, GPU or not, through the trainer's own launch code.
+"""Every Triton kernel of imagenet/kernels, compiled for an H100/H200 (sm_90) and an A100 (sm_80)
+down to its machine code on this machine, GPU or not, through the trainer's own launch code.
 
 On a CPU the other tests run the kernels' Python under Triton's interpreter, which accepts code
 the compiler refuses; the GPU tests, which compile them, run only where a GPU is lent. Triton
 compiles for another machine's target here (ptxas ships with it), so this test launches each
-kernel as the trainer does, on CPU tensors, with every launch compiling for sm_90 instead of
+kernel as the trainer does, on CPU tensors, with every launch compiling for the target instead of
 running: the kernels' generated code is checked in CI. The outputs are not computed, so nothing
 here checks values (the interpreter and GPU tests do)."""
 
@@ -46,10 +46,10 @@ def _type(value) -> str:
 
 
 @contextlib.contextmanager
-def compiling_for_sm90():
-    """Every ``kernel[grid](...)`` in the block compiles for sm_90 (its arguments' types as the
-    signature, its constexprs as given) and launches nothing; yields the list of (kernel, dtype
-    signature) compiled, each with its cubin checked."""
+def compiling_for(capability: int):
+    """Every ``kernel[grid](...)`` in the block compiles for CUDA compute capability ``capability``
+    (90: sm_90; its arguments' types as the signature, its constexprs as given) and launches
+    nothing; yields the names of the kernels compiled, each with its cubin checked."""
     compiled = []
     real = JITFunction.run
 
@@ -64,7 +64,7 @@ def compiling_for_sm90():
             else:
                 signature[p.name] = _type(value)
         out = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs),
-                             target=GPUTarget("cuda", 90, 32), options=options)
+                             target=GPUTarget("cuda", capability, 32), options=options)
         assert out.asm.get("cubin"), self.__name__
         compiled.append(self.__name__)
 
@@ -137,11 +137,12 @@ def _geometry() -> None:
     G.crop_resize_flip(images, [G.Sampling.train((0, 0, 20, 30), 16)], [True], [0], out)
 
 
-def test_every_kernel_compiles_for_sm90_through_its_launch_code(monkeypatch):
+@pytest.mark.parametrize("capability", [90, 80], ids=["sm90-H100-H200", "sm80-A100"])
+def test_every_kernel_compiles_for_the_gpu_through_its_launch_code(monkeypatch, capability):
     from imagenet.kernels import fusedbn, maxpool
     monkeypatch.setattr(fusedbn, "_INTERPRETED", True)  # take the kernels on CPU tensors: here they only compile
     monkeypatch.setattr(maxpool, "_INTERPRETED", True)
-    with compiling_for_sm90() as compiled:
+    with compiling_for(capability) as compiled:
         _batchnorm((torch.float16, torch.bfloat16, torch.float32))
         _maxpool((torch.float16, torch.bfloat16, torch.float32))
         _master_step()
