@@ -367,3 +367,30 @@ def test_gpu_verify_cuts_its_runs_at_the_deadline_and_says_how_far_they_got(tmp_
     table(results, "v-s0")
     out = capsys.readouterr().out
     assert "| v-s1 | cut at --deadline: 90.00 after 1 epoch(s) |" in out and "v-s2: not started (--deadline)" in out
+
+
+def test_defaults_phase_starts_each_cold_run_from_empty_compile_caches(tmp_path, monkeypatch):
+    """gpu_verify.py defaults: a "cold" first-step wait is a start with nothing compiled, so the
+    multiproc cold start must not read the graphs the one-process cold start just left; the warm
+    starts read the caches the cold ones filled."""
+    import argparse
+    import importlib
+    sys.path.insert(0, os.path.join(REPO, "scripts", "perf"))
+    speed = importlib.import_module("verify.speed")
+    seen = []
+
+    def fake_run_one(name, cmd, env, args):  # notes what the run found, then "compiles" into the cache
+        cache = env["TORCHINDUCTOR_CACHE_DIR"]
+        seen.append((name, os.path.isdir(cache) and bool(os.listdir(cache))))
+        os.makedirs(cache, exist_ok=True)
+        open(os.path.join(cache, f"graph-of-{name}"), "w").close()
+        return {"name": name, "rc": 0}
+
+    monkeypatch.setattr(speed, "run_one", fake_run_one)
+    monkeypatch.setattr(speed, "first_step", lambda log: 1.0)
+    args = argparse.Namespace(defaults_rows="new-fp16,new-multiproc-fp16", old=None, defaults_stage="compile",
+                              skip_cold=False, e2e_timeout=10, out=str(tmp_path), budget=100,
+                              defaults_epochs=1, defaults_steps=1)
+    speed.phase_defaults(args)
+    assert seen == [("cold-new-fp16", False), ("cold-new-multiproc-fp16", False),
+                    ("warm-new-fp16", True), ("warm-new-multiproc-fp16", True)]

@@ -192,7 +192,8 @@ def phase_scaling(args) -> None:
 def phase_defaults(args) -> None:
     """ResNet-50 main.py --dummy as a user types it, this tree against --old (an older commit's
     tree, e.g. `git archive` of it) side by side; the first step's wait with empty caches
-    (cold) and again with the caches the first run left (warm), one process and under multiproc.
+    (cold, each of the two starts from empty ones) and again with the caches a run left (warm),
+    one process and under multiproc.
     Each row: --defaults-epochs epochs of --defaults-steps steps, the rate the median of the
     epochs after the first (each epoch leaves out its first steps: compilation, cuDNN's search)."""
     rows = [r for r in args.defaults_rows.split(",") if r]
@@ -205,10 +206,13 @@ def phase_defaults(args) -> None:
     caches = {tree: {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/inductor-{tree}", "TRITON_CACHE_DIR": f"/tmp/triton-{tree}"}
               for tree in ("old", "new")}
     stage = args.defaults_stage
-    for env in caches.values():  # cold means cold: nothing from an earlier call
-        for d in env.values():
-            if stage != "time":
+    def empty_caches() -> None:  # cold means cold: nothing from an earlier call or run
+        for env in caches.values():
+            for d in env.values():
                 shutil.rmtree(d, ignore_errors=True)
+
+    if stage != "time":
+        empty_caches()
     t0 = time.time()
 
     def cmd_of(name: str, epochs: int, steps: int) -> tuple:
@@ -224,6 +228,8 @@ def phase_defaults(args) -> None:
     if not args.skip_cold and stage != "time":
         for label in ("cold", "warm"):
             for name in ("new-fp16", "new-multiproc-fp16"):
+                if label == "cold":  # each cold start alone: multiproc's must not read the first's graphs
+                    empty_caches()
                 res = run_one(f"{label}-{name}", *cmd_of(name, 1, 30), args)
                 waits.append((label, name, first_step(os.path.join(args.out, f"{label}-{name}", "log.txt")), res))
                 wait = waits[-1][2]  # printed now: kept if the call ends early
