@@ -8,9 +8,11 @@ kernel as the trainer does, on CPU tensors, with every launch compiling for the 
 running: the kernels' generated code is checked in CI. The outputs are not computed, so nothing
 here checks values (the interpreter and GPU tests do)."""
 
+import concurrent.futures
 import contextlib
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 
@@ -46,11 +48,11 @@ def _type(value) -> str:
 
 
 @contextlib.contextmanager
-def compiling_for(capability: int):
-    """Every ``kernel[grid](...)`` in the block compiles for CUDA compute capability ``capability``
-    (90: sm_90; its arguments' types as the signature, its constexprs as given) and launches
-    nothing; yields the names of the kernels compiled, each with its cubin checked."""
-    compiled = []
+def recording_launches():
+    """Every ``kernel[grid](...)`` in the block launches nothing; yields the list its launches are
+    recorded in, each as (kernel, signature, constexprs, options): its arguments' types as the
+    signature, its constexprs as given."""
+    launches = []
     real = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -63,16 +65,38 @@ def compiling_for(capability: int):
                 signature[p.name], constexprs[p.name] = "constexpr", value
             else:
                 signature[p.name] = _type(value)
-        out = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs),
-                             target=GPUTarget("cuda", capability, 32), options=options)
-        assert out.asm.get("cubin"), self.__name__
-        compiled.append(self.__name__)
+        launches.append((self, signature, constexprs, options))
 
     JITFunction.run = run
     try:
-        yield compiled
+        yield launches
     finally:
         JITFunction.run = real
+
+
+def compile_all(launches: list, capabilities) -> dict:
+    """Each distinct launch compiled for each CUDA compute capability (90: sm_90), its cubin
+    checked: capability -> {kernel name: None, or the error it compiled with}. Compiled in threads:
+    ptxas and Triton's passes let go of the GIL, so two threads take half the time of one."""
+    distinct = {(fn.__name__, repr(sig), repr(const), repr(opts)): (fn, sig, const, opts)
+                for fn, sig, const, opts in launches}
+
+    def build(job) -> tuple:
+        capability, (fn, sig, const, opts) = job
+        try:
+            out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                 target=GPUTarget("cuda", capability, 32), options=opts)
+            return capability, fn.__name__, None if out.asm.get("cubin") else "no cubin"
+        except Exception as e:  # reported by the capability's test, with the kernel's name
+            return capability, fn.__name__, f"{type(e).__name__}: {e}"
+
+    results = {c: {} for c in capabilities}
+    jobs = [(c, launch) for c in capabilities for launch in distinct.values()]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        for capability, name, error in pool.map(build, jobs):
+            if results[capability].get(name) is None:
+                results[capability][name] = error
+    return results
 
 
 def _launched_kernels() -> set:
@@ -137,14 +161,27 @@ def _geometry() -> None:
     G.crop_resize_flip(images, [G.Sampling.train((0, 0, 20, 30), 16)], [True], [0], out)
 
 
-@pytest.mark.parametrize("capability", [90, 80], ids=["sm90-H100-H200", "sm80-A100"])
-def test_every_kernel_compiles_for_the_gpu_through_its_launch_code(monkeypatch, capability):
+CAPABILITIES = {90: "sm90-H100-H200", 80: "sm80-A100"}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """The kernels launched as the trainer launches them, compiled for every capability at once."""
     from imagenet.kernels import fusedbn, maxpool
-    monkeypatch.setattr(fusedbn, "_INTERPRETED", True)  # take the kernels on CPU tensors: here they only compile
-    monkeypatch.setattr(maxpool, "_INTERPRETED", True)
-    with compiling_for(capability) as compiled:
-        _batchnorm((torch.float16, torch.bfloat16, torch.float32))
-        _maxpool((torch.float16, torch.bfloat16, torch.float32))
-        _master_step()
-        _geometry()
-    assert set(compiled) == _launched_kernels(), (sorted(set(compiled)), sorted(_launched_kernels()))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fusedbn, "_INTERPRETED", True)  # take the kernels on CPU tensors: here they only compile
+        mp.setattr(maxpool, "_INTERPRETED", True)
+        with recording_launches() as launches:
+            _batchnorm((torch.float16, torch.bfloat16, torch.float32))
+            _maxpool((torch.float16, torch.bfloat16, torch.float32))
+            _master_step()
+            _geometry()
+    return compile_all(launches, CAPABILITIES)
+
+
+@pytest.mark.parametrize("capability", list(CAPABILITIES), ids=list(CAPABILITIES.values()))
+def test_every_kernel_compiles_for_the_gpu_through_its_launch_code(compiled, capability):
+    errors = {name: error for name, error in compiled[capability].items() if error}
+    assert not errors, errors
+    assert set(compiled[capability]) == _launched_kernels(), (sorted(compiled[capability]),
+                                                              sorted(_launched_kernels()))
