@@ -246,21 +246,42 @@ def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, com
     return result
 
 
+def _start(code: str, env: dict) -> subprocess.Popen:
+    """A child that runs ``code`` after ``import tests.test_convstats as t``, its last line JSON."""
+    return subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
+                             "import tests.test_convstats as t; " + code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+
+
+def _children(codes: dict, env: dict) -> dict:
+    """Each of ``codes`` in a child of its own, all at once (the interpreter keeps one core busy
+    each): name -> the child's JSON result."""
+    procs = {name: _start(code, env) for name, code in codes.items()}
+    try:
+        out = {}
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, (name, stderr[-3000:])
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
+        return out
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
 def _child(code: str, env: dict) -> dict:
-    r = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
-                        "import tests.test_convstats as t; " + code], cwd=REPO, capture_output=True, text=True,
-                       timeout=900, env=dict(os.environ, **env))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _children({"run": code}, env)["run"]
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is here: the cuDNN graphs are tested instead")
 def test_blocks_with_the_statistics_from_their_convolutions_train_as_torchvisions_under_the_interpreter():
     """The family's three kinds of block (ResNet-50's bottleneck, ResNet-18's basic block, ResNeXt's
-    grouped bottleneck), one child: the grouped convolutions are never handed to the fused
+    grouped bottleneck), a child each: the grouped convolutions are never handed to the fused
     convolution (their BatchNorms make their statistics in a pass of their own), the rest are."""
-    runs = _child("print(json.dumps({k: t._compare_blocks('cpu', 'float32', kind=k) for k in t.BLOCKS}))",
-                  {"TRITON_INTERPRET": "1"})
+    runs = _children({k: f"print(json.dumps(t._compare_blocks('cpu', 'float32', kind={k!r})))" for k in BLOCKS},
+                     {"TRITON_INTERPRET": "1"})
     for kind, r in runs.items():
         assert r["uses"] and r["groups"] == [1], (kind, r)
         assert r["grouped"] == (4 if kind == "grouped" else 0), (kind, r)
