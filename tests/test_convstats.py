@@ -6,10 +6,10 @@ On a CPU the op runs torch's convolution and sums under Triton's interpreter, so
 the finishing kernel and the gradients are checked here; the cuDNN graphs themselves on a GPU."""
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from imagenet.base.errors import UserError
 from imagenet.kernels import convstats
 from imagenet.models.registry import use_conv_stats
 from imagenet.training.defaults import Machine, resolve
+from tests.helpers import Children
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -246,29 +247,18 @@ def _compare_blocks(device: str, dtype: str, batch: int = 2, size: int = 16, com
     return result
 
 
-def _start(code: str, env: dict) -> subprocess.Popen:
-    """A child that runs ``code`` after ``import tests.test_convstats as t``, its last line JSON."""
-    return subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
-                             "import tests.test_convstats as t; " + code], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
-
-
 def _children(codes: dict, env: dict) -> dict:
-    """Each of ``codes`` in a child of its own, all at once (the interpreter keeps one core busy
-    each): name -> the child's JSON result."""
-    procs = {name: _start(code, env) for name, code in codes.items()}
-    try:
-        out = {}
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=900)
-            assert proc.returncode == 0, (name, stderr[-3000:])
-            out[name] = json.loads(stdout.strip().splitlines()[-1])
-        return out
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    """Each of ``codes`` run after ``import tests.test_convstats as t`` in a child of its own, all
+    at once (the interpreter keeps one core busy each): name -> the JSON its last line printed."""
+    with tempfile.TemporaryDirectory() as folder:
+        runs = Children(folder)
+        try:
+            for name, code in codes.items():
+                runs.start(name, [sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
+                                  "import tests.test_convstats as t; " + code], dict(os.environ, **env))
+            return {name: runs.json(name, timeout=900) for name in codes}
+        finally:
+            runs.stop()
 
 
 def _child(code: str, env: dict) -> dict:

@@ -10,7 +10,6 @@ the compiled kernels are held to the same, within one float32 rounding of the re
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from imagenet.base.errors import UserError
 from imagenet.kernels import compiles, masterstep
 from imagenet.precision import LossScaler, MasterWeightPrecision
 from imagenet.precision.optim import build_optimizer, param_groups
-from tests.helpers import batches, fp16_run_args, fused_or_skip, interpreted, last_checkpoint, small_net
+from tests.helpers import Children, batches, fp16_run_args, fused_or_skip, interpreted, last_checkpoint, small_net
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -227,23 +226,19 @@ def test_main_trains_with_the_kernels(fp16_digits, tmp_path):
     apart the runs are close, not equal; equal would mean the kernels never ran."""
     pytest.importorskip("triton")
     fused_or_skip([{"params": [torch.nn.Parameter(torch.zeros(1))]}])
-    procs, runs = {}, {}
-    for impl in ("fused", "triton"):  # both at once: the interpreter's run keeps one core busy
-        args = fp16_run_args(fp16_digits, tmp_path / impl, "--epochs", "1", "--optimizer-impl", impl)
-        procs[impl] = subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True,
-                                       env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
+    children, runs = Children(tmp_path / "logs"), {}
     try:
-        for impl, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
-            assert "runs torch's kernels" not in stdout + stderr
+        for impl in ("fused", "triton"):  # both at once: the interpreter's run keeps one core busy
+            args = fp16_run_args(fp16_digits, tmp_path / impl, "--epochs", "1", "--optimizer-impl", impl)
+            children.start(impl, [sys.executable, "main.py", *args],
+                           dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
+        for impl in ("fused", "triton"):
+            r = children.result(impl, timeout=300)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            assert "runs torch's kernels" not in r.stdout + r.stderr
             runs[impl] = (last_checkpoint(tmp_path / impl), json.loads(open(tmp_path / impl / "metrics.jsonl").readline()))
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        children.stop()
     (a, row_a), (b, row_b) = runs["fused"], runs["triton"]
     assert row_a["skipped_steps"] == row_b["skipped_steps"] and row_a["loss_scale"] == row_b["loss_scale"]
     assert 0 < row_b["skipped_steps"] < row_b["steps"], row_b
