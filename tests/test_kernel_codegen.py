@@ -94,7 +94,7 @@ def compile_all(launches: list, capabilities) -> dict:
     jobs = [(c, launch) for c in capabilities for launch in distinct.values()]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
         for capability, name, error in pool.map(build, jobs):
-            if results[capability].get(name) is None:
+            if results[capability].get(name) is None:  # a kernel's first error stands; a success adds it
                 results[capability][name] = error
     return results
 
