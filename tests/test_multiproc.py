@@ -281,6 +281,51 @@ def test_max_restarts_restarts_the_group_until_it_gives_up(tmp_path):
                                 "multiproc: restart 2", "rank 1 attempt 2"]
 
 
+def test_a_child_that_dies_between_our_poll_and_torchs_is_still_named_and_the_others_stopped(monkeypatch, capsys):
+    """The launcher polls the children, then torch's agent does: a child that dies between the
+    two is found by torch's poll. The attempt must still end as when the launcher finds it first,
+    with the line that names the rank and SIGTERM to the others (once it was missing)."""
+    import types
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from imagenet.launch import agent
+    from imagenet.launch.group import Launch
+
+    class Child:
+        def __init__(self, pid):
+            self.pid, self.returncode, self.signals = pid, None, []
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+            self.returncode = -sig
+
+    children = [Child(101), Child(102)]
+
+    def torchs_poll(self, worker_group):
+        children[1].returncode = -signal.SIGKILL  # dies after the launcher's poll, before torch's
+        failure = types.SimpleNamespace(exitcode=-signal.SIGKILL, timestamp=1)
+        return RunResult(state=WorkerState.FAILED, failures={1: failure})
+
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", torchs_poll)
+    Agent = agent._agent_class()
+    a = Agent.__new__(Agent)
+    a._pcontext = types.SimpleNamespace(subprocess_handlers={i: types.SimpleNamespace(proc=c)
+                                                             for i, c in enumerate(children)})
+    a._remaining_restarts = 2
+    a.launch = Launch(types.SimpleNamespace(grace_period=5, log_dir="/logs", nproc_per_node=2))
+    a.launch.live = True
+    group = types.SimpleNamespace(workers=[types.SimpleNamespace(global_rank=r) for r in (0, 1)],
+                                  spec=types.SimpleNamespace(max_restarts=2))
+    assert a._monitor_workers(group).is_failed()
+    err = capsys.readouterr().err
+    assert "rank 1 exited with status 137 (output: /logs/GPU_1.log, killed by SIGKILL)" in err, err
+    assert "sending SIGTERM to the others" in err and children[0].signals == [signal.SIGTERM], err
+    assert a.launch.failure == (1, 137) and a._remaining_restarts == 2 and not a.launch.live
+
+
 def test_a_user_error_is_not_restarted(tmp_path):
     script = write_child(tmp_path, """\
         write(f"rank{RANK}-attempt" + os.environ["TORCHELASTIC_RESTART_COUNT"], "")

@@ -58,12 +58,17 @@ def _agent_class():
 
         def _monitor_workers(self, worker_group):
             handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-            if handlers:
-                local = sorted(handlers)
-                self.launch.supervise([handlers[i].proc for i in local],
-                                      [worker_group.workers[i].global_rank for i in local])
+            local = sorted(handlers)
+            procs = [handlers[i].proc for i in local]
+            ranks = [worker_group.workers[i].global_rank for i in local]
+            if procs:
+                self.launch.supervise(procs, ranks)
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNHEALTHY):
+                if result.is_failed() and procs and self.launch.failure is None and not self.launch.stop_requested:
+                    # The child died between our poll and torch's: say which, and stop the others
+                    # ourselves, as when we see it first.
+                    self.launch.supervise(procs, ranks)
                 self.launch.live = False
                 if result.is_failed():
                     if self.launch.failure is None and result.failures:
