@@ -392,7 +392,7 @@ def interpreter_runs(tmp_path_factory):
             runs["layers"] = _interpreted("print(json.dumps(t.compare_layers()))")
             runs["models"] = _interpreted("print(json.dumps(t.compare_models()))")
             runs["bits"] = _interpreted("print(json.dumps(t.mask_bits_against_outputs()))")
-            runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled()))")
+            runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled(size=16)))")
             runs["from-sums"] = _interpreted("print(json.dumps(t.compare_from_sums()))")
             runs["overflow"] = _interpreted("print(json.dumps(t.overflowed_statistics()))")
             runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
@@ -447,7 +447,7 @@ def test_a_fused_resnet_trains_as_torchvisions_under_the_interpreter(interpreter
         assert r["two_gradients"] == r["blocks"] - 1, (name, r)
 
 
-def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None, steps: int = 1) -> dict:
+def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None, steps: int = 1, size: int = 32) -> dict:
     """``steps`` forward and backward passes (gradients accumulating, no optimizer) of a fused
     ResNet-18 eager and of the same model under torch.compile, from the same weights and input:
     the worst relative difference over the last output, the gradients and the buffers; whether
@@ -457,7 +457,8 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     every pass (torch's own accumulation over replays reads memory the next replay overwrote:
     the trainer refuses --accum-steps under CUDA graphs). Also the compiled backward passes' count of
     BatchNorm backwards, and of those handed a forked output's two gradients apart (a replayed CUDA
-    graph runs no Python, so counts none)."""
+    graph runs no Python, so counts none). ``size``: the images' side; 16 px under the interpreter,
+    whose cost grows with the pixels, leaves the last two stages 1x1 over 4 images."""
     from torch._dynamo.utils import counters
     from imagenet.kernels import fusedbn
     from imagenet.models.fusedresnet import fuse_resnet
@@ -465,14 +466,17 @@ def compare_compiled(device: str = "cpu", backend: str = "aot_eager", mode=None,
     eager = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
     model = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
     model.load_state_dict(eager.state_dict())
-    calls = []  # the ops of the graphs torch.compile traces (a second copy, handed to torch's eager backend)
-    tracer = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
-    torch.compile(tracer, backend=_counting(calls))(x)
+    calls = []  # the ops of the graphs torch.compile traces
+    x = torch.randn(4, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    if mode is None:  # the backend sees the traced graphs on their way: one trace
+        compiled = torch.compile(model, backend=_counting(calls, torch._dynamo.lookup_backend(backend)))
+    else:  # a mode goes to Inductor alone: the ops from a second copy's trace, run as traced
+        tracer = fuse_resnet(create_model("resnet18", 10)).to(device).to(memory_format=torch.channels_last)
+        torch.compile(tracer, backend=_counting(calls))(x)
+        compiled = torch.compile(model, backend=backend, mode=mode)
     if mode == "reduce-overhead":
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad.clone()))
-    compiled = torch.compile(model, backend=backend, mode=mode)
     skips = counters["inductor"]["cudagraph_skips"]
     outputs = []
     for m in (eager, compiled):
@@ -503,11 +507,12 @@ def _check_two_gradients(r: dict) -> None:
     assert r["two_gradients"] > 0 and r["two_gradients"] * per_pass == r["bn_backwards"] * (r["blocks"] - 1), r
 
 
-def _counting(calls: list):
-    """A torch.compile backend that records the imagenet:: ops of each graph and runs it as traced."""
+def _counting(calls: list, then=None):
+    """A torch.compile backend that records the imagenet:: ops of each graph and runs it as traced,
+    or hands it on to the backend ``then``."""
     def compile_fn(gm, example_inputs):
         calls.extend(str(n.target) for n in gm.graph.nodes if "imagenet" in str(n.target))
-        return gm.forward
+        return gm.forward if then is None else then(gm, example_inputs)
     return compile_fn
 
 
