@@ -395,6 +395,27 @@ def test_main_py_answers_the_command_line_before_importing_torch(argv):
     assert r.stderr.splitlines()[-1] == f"exit {0 if argv == ['--help'] else 2} False", r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0"}, "RANK and WORLD_SIZE must be set together"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is outside 0..3 for world size 4 (RANK/WORLD_SIZE environment)"),
+    ({"WORLD_SIZE": "two", "RANK": "0"}, "environment variable WORLD_SIZE='two' is not an integer"),
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "-1"}, "rank -1 is outside 0..1 for world size 2 (SLURM task environment)"),
+])
+def test_a_wrong_launch_variable_is_named_before_importing_torch(env, message):
+    """The launch environment is read with the flags: a stray or wrong RANK, WORLD_SIZE or SLURM
+    variable is one line and exit status 2 before torch is imported."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['main.py', '--dummy', '-a', 'resnet18']\n"
+            "try:\n    runpy.run_path('main.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**clean, **env})
+    lines = r.stderr.splitlines()
+    assert lines[-1] == "exit 2 False", r.stderr[-2000:]
+    assert len(lines) == 2 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
 def test_cli_help(cli_results):
     rc, stdout, stderr = cli_results[1]["--help"]
     assert rc == 0, stderr

@@ -601,7 +601,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(dataset, ddp_epoch, tmp_path
 
 def test_launch_environments_are_read_like_torchrun_and_slurm():
     from imagenet.base.config import Config
-    from imagenet.parallel.distributed import distributed_env
+    from imagenet.base.launchenv import distributed_env
     from imagenet.base.errors import UserError
     cfg = Config()
     assert distributed_env(cfg, {}) is None

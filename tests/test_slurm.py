@@ -15,7 +15,7 @@ import torch
 
 from imagenet.base.config import parse_config
 from imagenet.base.errors import UserError
-from imagenet.parallel import distributed
+from imagenet.base import launchenv
 from tests.helpers import digits_fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
     (" gpu[1-2] ", ["gpu1", "gpu2"]),
 ])
 def test_nodelist_expands_as_scontrol_show_hostnames(nodelist, hosts):
-    assert distributed.expand_nodelist(nodelist) == hosts
-    assert distributed.first_node(nodelist) == hosts[0]
+    assert launchenv.expand_nodelist(nodelist) == hosts
+    assert launchenv.first_node(nodelist) == hosts[0]
 
 
 @pytest.mark.parametrize("nodelist", ["", "gpu[01-", "gpu01]", "gpu[[1]]", "gpu[a-b]", "gpu[3-1]", "gpu[1-]",
                                       "a,,b", "gpu[]"])
 def test_malformed_nodelists_are_refused(nodelist):
     with pytest.raises(ValueError):
-        distributed.expand_nodelist(nodelist)
+        launchenv.expand_nodelist(nodelist)
 
 
 def slurm_env(rank=0, **extra):
@@ -53,12 +53,12 @@ def slurm_env(rank=0, **extra):
 
 
 def test_srun_tasks_find_the_first_node_and_a_port_from_the_job_id():
-    denv = distributed.distributed_env(parse_config(["--dist-backend", "gloo"]), slurm_env(rank=1))
+    denv = launchenv.distributed_env(parse_config(["--dist-backend", "gloo"]), slurm_env(rank=1))
     assert (denv["rank"], denv["world_size"], denv["local_rank"]) == (1, 2, 1)
-    assert distributed.slurm_master(slurm_env(rank=1)) == ("gpu07", str(10000 + 123456 % 20000))
+    assert launchenv.slurm_master(slurm_env(rank=1)) == ("gpu07", str(10000 + 123456 % 20000))
     # The step's node list (srun -w) wins over the job's; MASTER_* set by hand win over both.
-    assert distributed.slurm_master(slurm_env(SLURM_STEP_NODELIST="gpu08"))[0] == "gpu08"
-    assert distributed.slurm_master(slurm_env(MASTER_ADDR="10.0.0.9", MASTER_PORT="4242")) == ("10.0.0.9", "4242")
+    assert launchenv.slurm_master(slurm_env(SLURM_STEP_NODELIST="gpu08"))[0] == "gpu08"
+    assert launchenv.slurm_master(slurm_env(MASTER_ADDR="10.0.0.9", MASTER_PORT="4242")) == ("10.0.0.9", "4242")
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -68,13 +68,13 @@ def test_srun_tasks_find_the_first_node_and_a_port_from_the_job_id():
 ])
 def test_slurm_environment_errors_name_the_variable_and_the_fix(extra, message):
     with pytest.raises(UserError, match=re.escape(message)) as e:
-        distributed.slurm_master(slurm_env(**extra))
+        launchenv.slurm_master(slurm_env(**extra))
     assert "MASTER_" in str(e.value)
 
 
 def test_restart_count_comes_from_the_elastic_agent():
-    assert distributed.restart_count({}) == 0
-    assert distributed.restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert launchenv.restart_count({}) == 0
+    assert launchenv.restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
 
 
 digits = digits_fixture(12, 1)  # 120 training images: 15 steps of 8
@@ -87,7 +87,7 @@ def free_slurm_job_id() -> int:
         job = rng.randrange(1, 10 ** 6)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", distributed.SLURM_PORT_BASE + job % distributed.SLURM_PORT_SPAN))
+                s.bind(("127.0.0.1", launchenv.SLURM_PORT_BASE + job % launchenv.SLURM_PORT_SPAN))
             except OSError:
                 continue
         return job
