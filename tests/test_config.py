@@ -384,15 +384,22 @@ def test_cli_bad_flags_exit_2_with_one_line(cli_results, name):
     assert cases[name][1] in lines[0]
 
 
-@pytest.mark.parametrize("argv", [["--bogus-flag"], ["--lr", "-1"], ["--help"]])
-def test_main_py_answers_the_command_line_before_importing_torch(argv):
-    """A typo, a bad value or --help costs a tenth of a second, not the five of importing torch."""
+def _main_py_before_torch(argv: list, env=None) -> list:
+    """main.py with ``argv`` in a child: its stderr lines, the last one saying its exit status and
+    whether torch was imported by then (``exit 2 False``)."""
     code = ("import runpy, sys\n"
             f"sys.argv = ['main.py', *{argv!r}]\n"
             "try:\n    runpy.run_path('main.py', run_name='__main__')\n"
             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.stderr.splitlines()[-1] == f"exit {0 if argv == ['--help'] else 2} False", r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    return r.stderr.splitlines()
+
+
+@pytest.mark.parametrize("argv", [["--bogus-flag"], ["--lr", "-1"], ["--help"]])
+def test_main_py_answers_the_command_line_before_importing_torch(argv):
+    """A typo, a bad value or --help costs a tenth of a second, not the five of importing torch."""
+    lines = _main_py_before_torch(argv)
+    assert lines[-1] == f"exit {0 if argv == ['--help'] else 2} False", lines[-20:]
 
 
 @pytest.mark.parametrize("env, message", [
@@ -404,15 +411,9 @@ def test_main_py_answers_the_command_line_before_importing_torch(argv):
 def test_a_wrong_launch_variable_is_named_before_importing_torch(env, message):
     """The launch environment is read with the flags: a stray or wrong RANK, WORLD_SIZE or SLURM
     variable is one line and exit status 2 before torch is imported."""
-    code = ("import runpy, sys\n"
-            "sys.argv = ['main.py', '--dummy', '-a', 'resnet18']\n"
-            "try:\n    runpy.run_path('main.py', run_name='__main__')\n"
-            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_"))}
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**clean, **env})
-    lines = r.stderr.splitlines()
-    assert lines[-1] == "exit 2 False", r.stderr[-2000:]
+    lines = _main_py_before_torch(["--dummy", "-a", "resnet18"], {**clean, **env})
+    assert lines[-1] == "exit 2 False", lines[-20:]
     assert len(lines) == 2 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
