@@ -270,7 +270,7 @@ def test_blocks_with_the_statistics_from_their_convolutions_train_as_torchvision
     """The family's three kinds of block (ResNet-50's bottleneck, ResNet-18's basic block, ResNeXt's
     grouped bottleneck), a child each: the grouped convolutions are never handed to the fused
     convolution (their BatchNorms make their statistics in a pass of their own), the rest are."""
-    runs = _children({k: f"print(json.dumps(t._compare_blocks('cpu', 'float32', kind={k!r})))" for k in BLOCKS},
+    runs = _children({k: f"print(json.dumps(t._compare_blocks('cpu', 'float32', batch=3, kind={k!r})))" for k in BLOCKS},
                      {"TRITON_INTERPRET": "1"})
     for kind, r in runs.items():
         assert r["uses"] and r["groups"] == [1], (kind, r)
