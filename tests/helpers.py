@@ -27,6 +27,10 @@ from imagenet.data.images import prepare
 
 SIZE = 28
 
+# The environment's additions for children started side by side: one OpenMP thread each. On a
+# 2-core machine a second thread in each of several children only spins against the others'.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
 
 def _real_mnist5k_csv():
     try:

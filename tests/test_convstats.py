@@ -20,7 +20,7 @@ from imagenet.base.errors import UserError
 from imagenet.kernels import convstats
 from imagenet.models.registry import use_conv_stats
 from imagenet.training.defaults import Machine, resolve
-from tests.helpers import Children
+from tests.helpers import ONE_THREAD, Children
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -255,7 +255,8 @@ def _children(codes: dict, env: dict) -> dict:
         try:
             for name, code in codes.items():
                 runs.start(name, [sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
-                                  "import tests.test_convstats as t; " + code], dict(os.environ, **env))
+                                  "import tests.test_convstats as t; " + code],
+                           dict(os.environ, **(ONE_THREAD if len(codes) > 1 else {}), **env))
             return {name: runs.json(name, timeout=900) for name in codes}
         finally:
             runs.stop()

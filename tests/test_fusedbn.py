@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from imagenet.base.errors import UserError
 from imagenet.models.registry import create_model, has_fused_bn, use_bn_kernels
-from tests.helpers import Children, scratch
+from tests.helpers import ONE_THREAD, Children, scratch
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -347,7 +347,7 @@ def _interpreted(code: str) -> subprocess.Popen:
     and prints its result as JSON."""
     return subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, '.'); "
                              "import tests.test_fusedbn as t; " + code], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TRITON_INTERPRET="1", **ONE_THREAD))
 
 
 class _Started(dict):
@@ -395,8 +395,8 @@ def interpreter_runs(tmp_path_factory):
             runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled(size=16)))")
             runs["from-sums"] = _interpreted("print(json.dumps(t.compare_from_sums()))")
             runs["overflow"] = _interpreted("print(json.dumps(t.overflowed_statistics()))")
-            runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
-            runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": ""})
+            runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
+            runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
             runs.out = out
             yield runs
         finally:

@@ -21,7 +21,7 @@ from imagenet.base.errors import UserError
 from imagenet.kernels import compiles, masterstep
 from imagenet.precision import LossScaler, MasterWeightPrecision
 from imagenet.precision.optim import build_optimizer, param_groups
-from tests.helpers import Children, batches, fp16_run_args, fused_or_skip, interpreted, last_checkpoint, small_net
+from tests.helpers import ONE_THREAD, Children, batches, fp16_run_args, fused_or_skip, interpreted, last_checkpoint, small_net
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -231,7 +231,7 @@ def test_main_trains_with_the_kernels(fp16_digits, tmp_path):
         for impl in ("fused", "triton"):  # both at once: the interpreter's run keeps one core busy
             args = fp16_run_args(fp16_digits, tmp_path / impl, "--epochs", "1", "--optimizer-impl", impl)
             children.start(impl, [sys.executable, "main.py", *args],
-                           dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
+                           dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **ONE_THREAD))
         for impl in ("fused", "triton"):
             r = children.result(impl, timeout=300)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -13,7 +13,7 @@ from imagenet.base.errors import UserError
 from imagenet.cli import main
 from imagenet.models.registry import compile_model
 from imagenet.parallel.distributed import free_port
-from tests.helpers import fp16_run_args, fused_or_skip, last_checkpoint, tiny_run_args
+from tests.helpers import ONE_THREAD, fp16_run_args, fused_or_skip, last_checkpoint, tiny_run_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # two ranks on one machine: gloo on the CPU (a one-GPU machine cannot hold two NCCL ranks)
@@ -151,7 +151,8 @@ def test_bench_runs_over_two_simulated_nodes_with_ddp_options(tmp_path):
     launchers = [subprocess.Popen([sys.executable, "-m", "multiproc", "--nproc-per-node", "1", "--nnodes", "2",
                                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                    "--log-dir", str(tmp_path / f"logs{node}"), *bench_args],
-                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CPU_ONLY)
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(CPU_ONLY, **ONE_THREAD))
                for node in (0, 1)]
     outs = [p.communicate(timeout=300) for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outs
