@@ -395,7 +395,8 @@ def interpreter_runs(tmp_path_factory):
             runs["compiled"] = _interpreted("print(json.dumps(t.compare_compiled(size=16)))")
             runs["from-sums"] = _interpreted("print(json.dumps(t.compare_from_sums()))")
             runs["overflow"] = _interpreted("print(json.dumps(t.overflowed_statistics()))")
-            runs["main-fused"] = _main(out, "fused", "triton", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
+            runs["main-fused"] = _main(out, "fused", "triton",
+                                       {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
             runs["main-plain"] = _main(out, "plain", "torch", {"CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
             runs.out = out
             yield runs
