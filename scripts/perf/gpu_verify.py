@@ -94,9 +94,9 @@ def parser() -> argparse.ArgumentParser:
                         "maxpool-torch,maxpool-triton (--maxpool-kernel; with --recipe-config configs/fashion-mnist-stem.yaml), "
                         "kernels, kernels-ro (both kernels, eager or --compile reduce-overhead; against maxpool-torch), "
                         "default (the command as typed: the speed defaults), ramp, ramp-eager, ramp-triangular, "
-                        "ramp-eager-triangular (progressive resizing 32 -> 56 px with configs/fashion-mnist-stem.yaml: "
-                        "compiled, eager, FFCV's triangular schedule compiled and eager); the first is the table's "
-                        "reference")
+                        "ramp-eager-triangular, ramp-step28 (progressive resizing 32 -> 56 px with "
+                        "configs/fashion-mnist-stem.yaml: compiled, eager, FFCV's triangular schedule compiled and "
+                        "eager, in two sizes instead of four); the first is the table's reference")
     g.add_argument("--seeds", default="0",
                    help="recipe, shrink, largebatch: seeds to run each variant with, e.g. 0,1,2")
     g.add_argument("--largebatch-variants", default="sgd-b128,sgd-b2048-linear,sgd-b2048-sqrt,lars-b2048-lr10-poly",

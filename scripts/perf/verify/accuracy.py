@@ -51,6 +51,9 @@ RECIPE_VARIANTS = {"plain": "", "ema-ls": " --model-ema 0.999 --label-smoothing 
                    # 48, 56 over 8 or 12 epochs), compiled with CUDA graphs (a graph a size) against eager, and
                    # FFCV's triangular schedule against the config's cosine
                    "ramp": RAMP, "ramp-eager": RAMP + " --compile off",
+                   # the ramp rounded to 28 px: two sizes, 32 for four epochs then 56 (FFCV's ramps at their step
+                   # of 32 px are two sizes), against ramp's four (32, 40, 48, 56): what --progressive-step costs
+                   "ramp-step28": RAMP.replace("--progressive-step 8", "--progressive-step 28"),
                    "ramp-triangular": RAMP + " --lr-schedule triangular --warmup-epochs 2",
                    # the same schedule comparison on the eager step (against ramp-eager): no compilation to wait for
                    "ramp-eager-triangular": RAMP + " --compile off --lr-schedule triangular --warmup-epochs 2"}
